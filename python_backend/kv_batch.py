@@ -1,0 +1,81 @@
+"""A batch of sequences sharing one left-padded KV cache.
+
+Rows can be dropped (a sequence finished) and batches can be merged (new sequences join): both are copies made
+only when membership changes, never at every step. Left padding is masked out by ``attention_mask``, and each row
+keeps its own positions, so a sequence computes the same tokens wherever it sits in a batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from python_backend.onnx_decoder import OnnxDecoder
+
+
+class KVBatch:
+    def __init__(self, past: list[np.ndarray], attention_mask: np.ndarray, next_positions: np.ndarray):
+        self.past = past
+        self.attention_mask = attention_mask  # [batch, cache_len], 0 where a row is left-padded
+        self.next_positions = next_positions  # [batch], position id of each row's next token
+
+    @property
+    def size(self) -> int:
+        return self.attention_mask.shape[0]
+
+    @property
+    def cache_len(self) -> int:
+        return self.attention_mask.shape[1]
+
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @classmethod
+    def prefill(cls, decoder: OnnxDecoder, prompts: list[list[int]]) -> tuple["KVBatch", np.ndarray, int]:
+        """Runs the prompts as one left-padded batch. Returns the batch, last-position logits [batch, vocab]
+        and the number of padding tokens computed."""
+        longest = max(len(p) for p in prompts)
+        input_ids = np.zeros((len(prompts), longest), np.int64)
+        mask = np.zeros((len(prompts), longest), np.int64)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, longest - len(prompt):] = prompt
+            mask[row, longest - len(prompt):] = 1
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        logits, present = decoder.forward(input_ids, mask, positions, decoder.empty_cache(len(prompts)))
+        lengths = mask.sum(axis=1)
+        padding = int(mask.size - lengths.sum())
+        return cls(present, mask, lengths.astype(np.int64)), logits[:, -1, :], padding
+
+    def step(self, decoder: OnnxDecoder, next_tokens: np.ndarray) -> np.ndarray:
+        """Feeds one token per row; returns logits [batch, vocab]."""
+        mask = np.concatenate([self.attention_mask, np.ones((self.size, 1), np.int64)], axis=1)
+        logits, self.past = decoder.forward(
+            next_tokens.reshape(-1, 1), mask, self.next_positions.reshape(-1, 1), self.past
+        )
+        self.attention_mask = mask
+        self.next_positions = self.next_positions + 1
+        return logits[:, -1, :]
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps only these rows (in this order) and drops cache columns that are padding in every kept row."""
+        index = np.asarray(rows, dtype=np.int64)
+        mask = self.attention_mask[index]
+        first_real = int(np.argmax(mask.any(axis=0))) if mask.size else 0
+        self.attention_mask = mask[:, first_real:]
+        self.past = [np.ascontiguousarray(t[index, :, first_real:, :]) for t in self.past]
+        self.next_positions = self.next_positions[index]
+
+    def extend(self, other: "KVBatch") -> None:
+        """Appends other's rows, left-padding whichever cache is shorter."""
+        length = max(self.cache_len, other.cache_len)
+        mine, theirs = _left_pad(self, length), _left_pad(other, length)
+        self.past = [np.concatenate([a, b], axis=0) for a, b in zip(mine[0], theirs[0])]
+        self.attention_mask = np.concatenate([mine[1], theirs[1]], axis=0)
+        self.next_positions = np.concatenate([self.next_positions, other.next_positions])
+
+
+def _left_pad(batch: KVBatch, length: int) -> tuple[list[np.ndarray], np.ndarray]:
+    extra = length - batch.cache_len
+    if extra == 0:
+        return batch.past, batch.attention_mask
+    past = [np.pad(t, ((0, 0), (0, 0), (extra, 0), (0, 0))) for t in batch.past]
+    return past, np.pad(batch.attention_mask, ((0, 0), (extra, 0)))

@@ -1,0 +1,67 @@
+"""Reading one request's input tensors (already numpy) into plain Python values, with clear errors.
+
+The Triton model passes a ``get(name) -> np.ndarray | None`` function, so this stays testable without a server."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from python_backend.errors import InvalidRequestError
+
+TensorGetter = Callable[[str], "np.ndarray | None"]
+STOP_SEPARATOR = -1  # stop word token sequences travel as one flat INT32 tensor, separated by -1
+
+
+def as_text(value, name: str) -> str:
+    # Over HTTP JSON a BYTES element can arrive as str; over gRPC and binary HTTP as bytes.
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidRequestError(f"{name} is not valid UTF-8: {error}") from None
+    return str(value)
+
+
+def scalar(get: TensorGetter, name: str, default=None):
+    array = get(name)
+    if array is None:
+        return default
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one value, got {flat.size}")
+    value = flat[0]
+    if isinstance(value, (bytes, str, np.bytes_, np.str_)):
+        return as_text(value, name)
+    return value.item()
+
+
+def text_list(get: TensorGetter, name: str) -> list[str]:
+    array = get(name)
+    if array is None:
+        return []
+    return [as_text(v, name) for v in np.asarray(array).reshape(-1)]
+
+
+def encode_stop_sequences(sequences: list[list[int]]) -> np.ndarray:
+    flat: list[int] = []
+    for seq in sequences:
+        flat += list(seq) + [STOP_SEPARATOR]
+    return np.asarray(flat or [STOP_SEPARATOR], np.int32)
+
+
+def decode_stop_sequences(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
+    if array is None:
+        return ()
+    sequences, current = [], []
+    for token in np.asarray(array).reshape(-1).tolist():
+        if token == STOP_SEPARATOR:
+            if current:
+                sequences.append(tuple(current))
+            current = []
+        else:
+            current.append(int(token))
+    if current:
+        sequences.append(tuple(current))
+    return tuple(sequences)

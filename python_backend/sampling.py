@@ -1,0 +1,92 @@
+"""Sampling parameters (validated once, at the edge) and the per-sequence token chooser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from python_backend.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    end_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_sampling_values(
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+) -> None:
+    """Raise InvalidRequestError naming the first bad value."""
+    if max_tokens <= 0:
+        raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise InvalidRequestError(f"top_k must be >= 0, got {top_k}")
+    if not np.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
+    if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise InvalidRequestError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    if seed is not None and seed < 0:
+        raise InvalidRequestError(f"seed must be >= 0, got {seed}")
+
+
+class TokenChooser:
+    """Chooses the next token of one sequence from its logits row."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def choose(self, logits: np.ndarray, generated: list[int]) -> int:
+        p = self.params
+        if p.repetition_penalty != 1.0 and generated:
+            logits = _apply_repetition_penalty(logits, generated, p.repetition_penalty)
+        if p.greedy:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / p.temperature
+        if p.top_k:
+            k = min(p.top_k, scaled.shape[-1])
+            kth = np.partition(scaled, -k)[-k]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            probs = _top_p_filter(probs, p.top_p)
+        return int(self._rng.choice(probs.shape[-1], p=probs))
+
+
+def _apply_repetition_penalty(logits: np.ndarray, generated: list[int], penalty: float) -> np.ndarray:
+    logits = logits.copy()
+    ids = np.unique(np.asarray(generated))
+    seen = logits[ids]
+    logits[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def _top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+    keep = cumulative - probs[order] < top_p
+    filtered = np.zeros_like(probs)
+    filtered[order[keep]] = probs[order[keep]]
+    return filtered / filtered.sum()

@@ -1,0 +1,29 @@
+"""The few lines every Python-backend model shares: parameters, per-request error handling, tensor access.
+
+``pb_utils`` is passed in (it only exists inside the Triton stub), so this module imports without a server."""
+
+from __future__ import annotations
+
+import json
+
+from python_backend.errors import InvalidRequestError
+
+
+def parameters(args: dict) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def getter(pb_utils, request):
+    def get(name: str):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
+
+
+def error_response(pb_utils, error: Exception):
+    """A bad request becomes INVALID_ARG (HTTP 400) with its message; anything else an INTERNAL error."""
+    if isinstance(error, InvalidRequestError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}"))

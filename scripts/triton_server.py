@@ -1,0 +1,181 @@
+"""Start and stop the real `tritonserver` that PyPI's `nvidia-pytriton` wheel ships, on CPU.
+
+    python -m scripts.triton_server --http-port 8000 --grpc-port 8001 --metrics-port 8002
+
+Used by `make serve` (foreground, stops on Ctrl-C / SIGTERM), the demo and the test fixtures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
+
+
+def _pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("tritonserver comes from the `nvidia-pytriton` package: run `make venv`")
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def prepare_python_backend() -> Path:
+    """Puts the Python-backend stub for this interpreter where the backend looks for it; returns the
+    backends directory. Idempotent."""
+    triton = _pytriton_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = triton / "python_backend_stubs" / version / "triton_python_backend_stub"
+    target = triton / "backends" / "python" / "triton_python_backend_stub"
+    if not target.exists():
+        shutil.copy2(stub, target)
+    return triton / "backends"
+
+
+def server_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # The stub takes sys.prefix from the first python3 on PATH, so the venv's packages are importable in models.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    libs = [
+        sysconfig.get_config_var("LIBDIR"),  # the stub links libpython3.X.so of the venv's base Python
+        str(_pytriton_dir().parent.parent / "nvidia_pytriton.libs"),
+    ]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    return env
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "Ports":
+        sockets = [socket.socket() for _ in range(3)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        for s in sockets:
+            s.close()
+        return cls(*ports)
+
+
+def server_command(
+    model_repository: Path,
+    ports: Ports,
+    address: str = "127.0.0.1",
+    explicit_models: list[str] | None = None,
+    extra_args: list[str] = (),
+) -> list[str]:
+    triton = _pytriton_dir()
+    command = [
+        str(triton / "bin" / "tritonserver"),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={prepare_python_backend()}",
+        f"--http-address={address}",
+        f"--grpc-address={address}",
+        f"--metrics-address={address}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--exit-timeout-secs=5",
+        "--log-verbose=0",
+    ]
+    if explicit_models is not None:
+        command.append("--model-control-mode=explicit")
+        command += [f"--load-model={name}" for name in explicit_models]
+    return command + list(extra_args)
+
+
+def wait_until_ready(process: subprocess.Popen, ports: Ports, timeout_s: float, address: str = "127.0.0.1") -> None:
+    url = f"http://{address}:{ports.http}/v2/health/ready"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s ({url})")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def running_server(
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY,
+    ports: Ports | None = None,
+    log_path: Path | None = None,
+    ready_timeout_s: float = 180,
+    explicit_models: list[str] | None = None,
+    env: dict[str, str] | None = None,
+):
+    """A tritonserver on loopback for the duration of the block; yields its Ports."""
+    ports = ports or Ports.free()
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    process = subprocess.Popen(
+        server_command(model_repository, ports, explicit_models=explicit_models),
+        env={**server_environment(), **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until_ready(process, ports, ready_timeout_s)
+        yield ports
+    finally:
+        stop(process)
+        if log_path:
+            log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run tritonserver in the foreground with this project's models.")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--address", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
+    args = parser.parse_args(argv)
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra)
+    process = subprocess.Popen(command, env=server_environment())
+
+    def forward(signum, _frame):
+        process.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)
+    return process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
