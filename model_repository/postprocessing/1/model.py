@@ -22,6 +22,9 @@ class TritonPythonModel:
             except Exception as error:
                 responses.append(error_response(pb_utils, error))
                 continue
-            out = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
-            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+            outputs = [
+                pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+                pb_utils.Tensor("output_token_count", np.array([[len(ids)]], dtype=np.int32)),
+            ]
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses
