@@ -1,0 +1,76 @@
+"""The KV-cache batch on the real exported model: batching, dropping and joining must not change a greedy answer."""
+
+import numpy as np
+import pytest
+
+from python_backend.generation import choose_next, run_to_completion
+from python_backend.kv_batch import KVBatch
+from python_backend.sampling import SamplingParams
+from python_backend.sequence import Sequence
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "用一句话介绍一下长城。",
+    "List three colors.",
+    "def add(a, b):",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+
+
+def sequences(prompts, max_tokens=12, eos=(2,)):
+    return [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, end_ids=eos)) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def alone(decoder, prompts):
+    answers = []
+    for prompt in prompts:
+        [seq] = sequences([prompt])
+        run_to_completion(decoder, [seq])
+        answers.append(seq.output_ids)
+    return answers
+
+
+def test_each_prompt_generates_something(alone):
+    assert all(len(ids) > 0 for ids in alone)
+
+
+def test_batched_greedy_equals_alone(decoder, prompts, alone):
+    batch = sequences(prompts)
+    stats = run_to_completion(decoder, batch)
+    assert [s.output_ids for s in batch] == alone
+    assert stats.padding_tokens == len(prompts) * max(map(len, prompts)) - sum(map(len, prompts))
+
+
+def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alone):
+    first, later = sequences(prompts[:2]), sequences(prompts[2:])
+    batch, logits, _ = KVBatch.prefill(decoder, [s.prompt_ids for s in first])
+    tokens = choose_next(first, logits)
+    for _ in range(3):
+        logits = batch.step(decoder, tokens)
+        tokens = choose_next(first, logits)
+    joining, join_logits, _ = KVBatch.prefill(decoder, [s.prompt_ids for s in later])
+    join_tokens = choose_next(later, join_logits)
+    batch.extend(joining)
+    running, tokens = first + later, np.concatenate([tokens, join_tokens])
+    while running:
+        keep = [row for row, s in enumerate(running) if not s.finished]
+        if not keep:
+            break
+        batch.select(keep)
+        running, tokens = [running[r] for r in keep], tokens[keep]
+        tokens = choose_next(running, batch.step(decoder, tokens))
+    assert [s.output_ids for s in first + later] == alone
+
+
+def test_select_trims_columns_that_are_padding_everywhere(decoder, prompts):
+    short, long = min(prompts, key=len), max(prompts, key=len)
+    batch, _, _ = KVBatch.prefill(decoder, [short, long])
+    batch.select([0])
+    assert batch.cache_len == len(short) and batch.real_tokens() == len(short)
+    assert batch.past[0].shape[2] == len(short)

@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+
+from python_backend.errors import InvalidRequestError
+from python_backend.sampling import SamplingParams, TokenChooser, validate_sampling_values
+
+LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.5], np.float32)
+
+
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 4, "temperature": -0.1}, "temperature"),
+        ({"max_tokens": 4, "temperature": float("nan")}, "temperature"),
+        ({"max_tokens": 4, "top_p": 0.0}, "top_p"),
+        ({"max_tokens": 4, "top_p": 1.01}, "top_p"),
+        ({"max_tokens": 4, "top_k": -1}, "top_k"),
+        ({"max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 4, "seed": -1}, "seed"),
+    ],
+)
+def test_bad_values_are_named(values, named):
+    with pytest.raises(InvalidRequestError, match=named):
+        validate_sampling_values(**values)
+
+
+def test_good_values_pass():
+    validate_sampling_values(max_tokens=1, temperature=0.7, top_k=50, top_p=1.0, repetition_penalty=1.1, seed=0)
+
+
+def test_greedy_is_argmax():
+    assert TokenChooser(SamplingParams(max_tokens=1)).choose(LOGITS, []) == 1
+
+
+def test_top_k_one_and_tiny_top_p_are_argmax_even_when_sampling():
+    for params in (SamplingParams(max_tokens=1, temperature=5.0, top_k=1, seed=1),
+                   SamplingParams(max_tokens=1, temperature=5.0, top_p=1e-6, seed=1)):
+        chooser = TokenChooser(params)
+        assert {chooser.choose(LOGITS, []) for _ in range(50)} == {1}
+
+
+def test_top_k_limits_the_candidates():
+    chooser = TokenChooser(SamplingParams(max_tokens=1, temperature=100.0, top_k=2, seed=0))
+    assert {chooser.choose(LOGITS, []) for _ in range(200)} == {1, 2}
+
+
+def test_same_seed_same_choices_and_different_seed_differs():
+    def draws(seed):
+        chooser = TokenChooser(SamplingParams(max_tokens=1, temperature=2.0, seed=seed))
+        return [chooser.choose(LOGITS, []) for _ in range(40)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_repetition_penalty_moves_greedy_off_a_seen_token():
+    chooser = TokenChooser(SamplingParams(max_tokens=1, repetition_penalty=2.0))
+    assert chooser.choose(LOGITS, generated=[1]) == 2  # 3.0 / 2 = 1.5 < 2.5

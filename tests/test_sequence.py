@@ -1,0 +1,35 @@
+from python_backend.sampling import SamplingParams
+from python_backend.sequence import Sequence
+
+
+def make(**kwargs):
+    return Sequence(prompt_ids=[1, 2], params=SamplingParams(**{"max_tokens": 5, "end_ids": (0,), **kwargs}))
+
+
+def test_eos_ends_without_being_output():
+    seq = make()
+    for token in (7, 8, 0):
+        seq.append(token)
+    assert seq.output_ids == [7, 8] and seq.finish_reason == "eos"
+
+
+def test_max_tokens_ends_with_length():
+    seq = make(max_tokens=2)
+    seq.append(7)
+    assert not seq.finished
+    seq.append(8)
+    assert seq.output_ids == [7, 8] and seq.finish_reason == "length"
+
+
+def test_stop_sequence_ends_and_is_removed():
+    seq = make(stop_token_sequences=((8, 9),))
+    for token in (7, 8, 9):
+        seq.append(token)
+    assert seq.output_ids == [7] and seq.finish_reason == "stop"
+
+
+def test_partial_stop_sequence_does_not_stop():
+    seq = make(stop_token_sequences=((8, 9),))
+    for token in (8, 7, 9):
+        seq.append(token)
+    assert seq.output_ids == [8, 7, 9] and not seq.finished

@@ -1,0 +1,209 @@
+"""End-to-end against a real tritonserver: real HTTP, gRPC and /generate clients, the real model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from scripts.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
+from scripts.triton_server import Ports, server_environment
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "用一句话介绍一下长城。",
+    "Name three primary colors.",
+    "Why do cats purr?",
+]
+MAX_TOKENS = 32
+
+
+def http_url(server):
+    return f"127.0.0.1:{server.http}"
+
+
+def grpc_url(server):
+    return f"127.0.0.1:{server.grpc}"
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tokenizer, settings):
+    """transformers' greedy generate() for each prompt, one at a time: {prompt: token ids without EOS}."""
+    eos = settings["eos_token_ids"]
+    answers = {}
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, apply_chat_template=True)
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos[0])
+        new = out[0, len(ids):].tolist()
+        stops = [i for i, t in enumerate(new) if t in eos]
+        answers[prompt] = new[: stops[0]] if stops else new
+    return answers
+
+
+def test_served_greedy_text_equals_transformers_generate(server, reference, tokenizer):
+    client = GrpcClient(grpc_url(server))
+    for prompt in PROMPTS:
+        completion = client.complete({"text_input": prompt, "max_tokens": MAX_TOKENS})
+        assert completion.text == tokenizer.decode(reference[prompt]), prompt
+        assert completion.output_tokens == len(reference[prompt])
+
+
+def test_llm_model_output_ids_equal_transformers_token_for_token(server, reference, tokenizer):
+    client = httpclient.InferenceServerClient(http_url(server))
+    for prompt in PROMPTS:
+        ids = np.array([tokenizer.encode(prompt, apply_chat_template=True)], np.int32)
+        inputs = [httpclient.InferInput("input_ids", list(ids.shape), "INT32"),
+                  httpclient.InferInput("max_tokens", [1, 1], "INT32")]
+        inputs[0].set_data_from_numpy(ids)
+        inputs[1].set_data_from_numpy(np.array([[MAX_TOKENS]], np.int32))
+        output_ids = client.infer("llm", inputs).as_numpy("output_ids").reshape(-1).tolist()
+        assert output_ids == reference[prompt], prompt
+
+
+def test_http_grpc_and_generate_give_the_same_answer(server):
+    request = {"text_input": "What is the capital of France?", "max_tokens": 16}
+    answers = {
+        "http": HttpClient(http_url(server)).complete(request).text,
+        "grpc": GrpcClient(grpc_url(server)).complete(request).text,
+        "generate": GenerateClient(http_url(server)).complete(request).text,
+    }
+    assert len(set(answers.values())) == 1, answers
+    assert "Paris" in answers["generate"]
+
+
+def llm_statistics(server) -> tuple[int, int]:
+    stats = httpclient.InferenceServerClient(http_url(server)).get_inference_statistics("llm")
+    model = stats["model_stats"][0]
+    return int(model["inference_count"]), int(model["execution_count"])
+
+
+def test_answer_is_the_same_alone_and_among_8_concurrent_requests_which_are_batched(server, reference, tokenizer):
+    target = PROMPTS[0]
+    others = [("Hi", 8), (PROMPTS[1], 48), ("Tell me a long story about a dragon.", 64), (PROMPTS[2], 24),
+              ("2+2=", 4), (PROMPTS[4], 40), ("Translate 'good morning' to Spanish.", 16)]
+    client = GrpcClient(grpc_url(server))
+    alone = client.complete({"text_input": target, "max_tokens": MAX_TOKENS}).text
+    inferences_before, executions_before = llm_statistics(server)
+    requests = [{"text_input": target, "max_tokens": MAX_TOKENS}] + [
+        {"text_input": p, "max_tokens": n} for p, n in others]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(client.complete, requests))
+    inferences, executions = llm_statistics(server)
+    assert results[0].text == alone == tokenizer.decode(reference[target])
+    assert inferences - inferences_before == 8
+    assert executions - executions_before < 8, "Triton's dynamic batcher did not group concurrent requests"
+
+
+def test_stop_words_and_seeded_sampling(server):
+    client = GenerateClient(http_url(server))
+    free = client.complete({"text_input": "Count from 1 to 10, separated by commas.", "max_tokens": 40}).text
+    assert "4" in free
+    stopped = client.complete({"text_input": "Count from 1 to 10, separated by commas.", "max_tokens": 40,
+                               "stop_words": ["4"]}).text
+    assert free.startswith(stopped) and "4" not in stopped and len(stopped) < len(free)
+    sampled = {"text_input": "Write a short poem about rain.", "max_tokens": 24, "temperature": 1.0, "top_p": 0.95}
+    first = client.complete({**sampled, "seed": 123}).text
+    assert client.complete({**sampled, "seed": 123}).text == first
+    assert len({client.complete({**sampled, "seed": s}).text for s in (1, 2, 3)} | {first}) > 1
+
+
+LONG_PROMPT = "hello " * 2100
+
+BAD_REQUESTS = [
+    ({"text_input": "", "max_tokens": 8}, "text_input is empty"),
+    ({"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
+    ({"text_input": "Hi", "max_tokens": -5}, "max_tokens must be > 0"),
+    ({"text_input": "Hi", "max_tokens": 100000}, "exceeds the context length"),
+    ({"text_input": LONG_PROMPT, "max_tokens": 8}, "longer than the context length"),
+    ({"text_input": "Hi", "max_tokens": 8, "temperature": -0.5}, "temperature must be >= 0"),
+    ({"text_input": "Hi", "max_tokens": 8, "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"text_input": "Hi", "max_tokens": 8, "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": "Hi", "max_tokens": 8, "top_k": -2}, "top_k must be >= 0"),
+    ({"text_input": "Hi"}, "missing required input(s) ['max_tokens']"),
+]
+
+
+def assert_server_ready(server):
+    with urllib.request.urlopen(f"http://{http_url(server)}/v2/health/ready", timeout=5) as response:
+        assert response.status == 200
+    assert GenerateClient(http_url(server)).complete({"text_input": "Hi", "max_tokens": 2}).output_tokens > 0
+
+
+@pytest.mark.parametrize("request_, message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_400_and_invalid_argument(server, request_, message):
+    with pytest.raises(RequestError, match=r"^HTTP 400: .*" + _escape(message)):
+        GenerateClient(http_url(server)).complete(request_)
+    with pytest.raises(InferenceServerException) as http_error:
+        httpclient.InferenceServerClient(http_url(server)).infer("ensemble", triton_inputs(httpclient, request_))
+    assert http_error.value.status() == "400" and message in http_error.value.message()
+    with pytest.raises(InferenceServerException) as grpc_error:
+        grpcclient.InferenceServerClient(grpc_url(server)).infer("ensemble", triton_inputs(grpcclient, request_))
+    assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT" and message in grpc_error.value.message()
+    assert_server_ready(server)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_wrong_dtype_gets_a_clear_400(server):
+    inputs = triton_inputs(httpclient, {"text_input": "Hi"})
+    wrong = httpclient.InferInput("max_tokens", [1, 1], "FP32")
+    wrong.set_data_from_numpy(np.array([[8.0]], np.float32))
+    with pytest.raises(InferenceServerException) as error:
+        httpclient.InferenceServerClient(http_url(server)).infer("ensemble", inputs + [wrong])
+    assert error.value.status() == "400" and "max_tokens" in error.value.message()
+    assert "TYPE_INT32" in error.value.message() or "INT32" in error.value.message()
+    assert_server_ready(server)
+
+
+def test_client_cli_writes_jsonl(server, tmp_path):
+    from scripts import client
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text_input": "What is 2+2?", "max_tokens": 8}\n{"text_input": "Say hi"}\n')
+    output = tmp_path / "answers.jsonl"
+    code = client.main([str(prompts), "--protocol", "grpc", "--grpc-url", grpc_url(server),
+                        "--max-tokens", "4", "--output", str(output)])
+    import json
+
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert code == 0 and len(records) == 2
+    assert all(r["text_output"] and r["output_tokens"] > 0 for r in records)
+    assert records[1]["max_tokens"] == 4 and records[1]["output_tokens"] <= 4
+
+
+def test_serve_command_stops_cleanly_on_sigterm(model_dir):
+    ports = Ports.free()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scripts.triton_server", "--http-port", str(ports.http),
+         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
+        env={**server_environment(), "TRITON_LLM_MODEL_DIR": str(model_dir)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    from scripts.triton_server import wait_until_ready
+
+    try:
+        wait_until_ready(process, ports, timeout_s=120)
+    except Exception:
+        process.kill()
+        raise
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert time.monotonic() - started < 30
