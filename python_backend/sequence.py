@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from python_backend.sampling import SamplingParams, TokenChooser
+
+_keys = itertools.count()
+
+# emit(sequence, new_token_ids, finished): called by the engine thread whenever a sequence has tokens to hand out.
+Emit = Callable[["Sequence", list[int], bool], None]
 
 
 @dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
+    key: str = field(default_factory=lambda: f"seq-{next(_keys)}")
+    emit: Emit | None = field(default=None, repr=False)
+    # Polled once per step: lets a direct (non-ensemble) client's cancelled stream free the sequence.
+    is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
+    arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "stop" or "length"
+    finish_reason: str | None = None  # "eos", "stop", "length" or "cancelled"
+    emitted: int = 0  # how many output ids were already handed out
+    final_sent: bool = False
+    first_token_at: float | None = None
+    last_token_at: float | None = None
     chooser: TokenChooser = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -21,6 +38,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def reserved_tokens(self) -> int:
+        """Cache slots this sequence may still need: its prompt plus every token it may yet generate."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def remaining_tokens(self) -> int:
+        return 0 if self.finished else self.params.max_tokens - len(self.output_ids)
 
     def append(self, token: int) -> None:
         """Adds a generated token and decides whether the sequence is done.
@@ -37,3 +61,21 @@ class Sequence:
                 return
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
+
+    def take_emittable(self) -> list[int]:
+        """Output ids not yet handed out, holding back a tail that may still turn into a stop sequence."""
+        end = len(self.output_ids)
+        if not self.finished:
+            end -= self._stop_prefix_len()
+        new = self.output_ids[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return new
+
+    def _stop_prefix_len(self) -> int:
+        longest = 0
+        for stop in self.params.stop_token_sequences:
+            for size in range(min(len(stop) - 1, len(self.output_ids)), longest, -1):
+                if self.output_ids[-size:] == list(stop[:size]):
+                    longest = size
+                    break
+        return longest

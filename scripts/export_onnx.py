@@ -155,7 +155,7 @@ def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -
 
 
 def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
-    from python_backend.generation import run_to_completion
+    from python_backend.engine import generate
     from python_backend.kv_batch import KVBatch
     from python_backend.onnx_decoder import OnnxDecoder
     from python_backend.sampling import SamplingParams
@@ -184,7 +184,7 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     log(f"parity: {GREEDY_TOKENS} greedy tokens vs transformers generate()")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, end_ids=tuple(eos_ids))
     sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
-    run_to_completion(decoder, sequences)
+    generate(decoder, sequences)
     greedy = []
     for prompt, seq in zip(prompts, sequences):
         with torch.no_grad():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from python_backend.generation import choose_next, run_to_completion
+from python_backend.engine import choose_next, generate
 from python_backend.kv_batch import KVBatch
 from python_backend.sampling import SamplingParams
 from python_backend.sequence import Sequence
@@ -31,7 +31,7 @@ def alone(decoder, prompts):
     answers = []
     for prompt in prompts:
         [seq] = sequences([prompt])
-        run_to_completion(decoder, [seq])
+        generate(decoder, [seq])
         answers.append(seq.output_ids)
     return answers
 
@@ -42,9 +42,9 @@ def test_each_prompt_generates_something(alone):
 
 def test_batched_greedy_equals_alone(decoder, prompts, alone):
     batch = sequences(prompts)
-    stats = run_to_completion(decoder, batch)
+    totals = generate(decoder, batch)
     assert [s.output_ids for s in batch] == alone
-    assert stats.padding_tokens == len(prompts) * max(map(len, prompts)) - sum(map(len, prompts))
+    assert totals.padding_tokens == len(prompts) * max(map(len, prompts)) - sum(map(len, prompts))
 
 
 def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alone):

@@ -4,7 +4,7 @@ completion together; a sequence that finishes leaves the batch at once."""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backend.generation import run_to_completion
+from python_backend.engine import generate
 from python_backend.llm_requests import sequence_from_inputs
 from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
 from python_backend.onnx_decoder import OnnxDecoder
@@ -32,7 +32,7 @@ class TritonPythonModel:
                 responses[row] = error_response(pb_utils, error)
         if sequences:
             try:
-                run_to_completion(self.decoder, sequences)
+                generate(self.decoder, sequences)
             except Exception as error:
                 for row in rows:
                     responses[row] = error_response(pb_utils, error)

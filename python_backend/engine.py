@@ -1,0 +1,221 @@
+"""The generation engine: a loop, on its own thread, that admits, prefills, decodes and retires sequences.
+
+Each iteration: drop cancelled sequences, admit what the scheduler allows (one left-padded prefill, merged into the
+running batch), run one decode step for the whole batch, hand out new tokens, and free the cache rows of finished
+sequences. The Triton model only submits, cancels and turns emitted tokens into responses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from python_backend.errors import InvalidRequestError
+from python_backend.kv_batch import KVBatch
+from python_backend.onnx_decoder import OnnxDecoder
+from python_backend.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
+from python_backend.sequence import Sequence
+
+
+def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
+    """Picks (and appends) each sequence's next token from its row of last-position logits."""
+    tokens = np.empty(len(sequences), np.int64)
+    for row, seq in enumerate(sequences):
+        tokens[row] = seq.chooser.choose(logits[row], seq.output_ids)
+        seq.append(int(tokens[row]))
+    return tokens
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound: the client should retry later (503 / UNAVAILABLE)."""
+
+
+class EngineObserver:
+    """Hooks for metrics; the defaults keep running totals (used by benchmarks and tests)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.computed_tokens = 0
+        self.padding_tokens = 0
+        self.output_tokens = 0
+        self.batch_sizes: list[int] = []
+
+    def on_prefill(self, computed: int, padding: int) -> None:
+        self.computed_tokens += computed
+        self.padding_tokens += padding
+
+    def on_decode(self, batch_size: int, dead_rows: int) -> None:
+        self.steps += 1
+        self.computed_tokens += batch_size
+        self.padding_tokens += dead_rows
+        self.batch_sizes.append(batch_size)
+
+    def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
+        self.output_tokens += count
+
+    def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
+        pass
+
+    def padding_waste(self) -> float:
+        return self.padding_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+
+class Engine:
+    def __init__(self, decoder: OnnxDecoder, config: SchedulerConfig, observer: EngineObserver | None = None):
+        self.decoder = decoder
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.observer = observer or EngineObserver()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.batch: KVBatch | None = None
+        self._next_tokens = np.zeros(0, np.int64)
+        self._cancelled: set[str] = set()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- called from Triton's execute() threads ---
+
+    def submit(self, sequence: Sequence) -> None:
+        need = padded_cache_bound([sequence], 0)
+        if need > self.config.kv_budget_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens need {need} KV-cache slots, more than the budget of "
+                f"{self.config.kv_budget_tokens}"
+            )
+        with self._lock:
+            if len(self.waiting) >= self.config.max_queue_size:
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.config.max_queue_size} requests); retry later"
+                )
+            self.waiting.append(sequence)
+            self._lock.notify()
+
+    def cancel(self, key: str) -> None:
+        with self._lock:
+            self._cancelled.add(key)
+            self._lock.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    # --- the engine thread ---
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.running and not self.waiting:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            if not self.step():
+                time.sleep(0.002)  # only static batching waits here, for its batch to fill or time out
+
+    def step(self) -> bool:
+        """One iteration; returns False when there was nothing to do yet."""
+        with self._lock:
+            self._apply_cancellations()
+            admitted = self.scheduler.admit(
+                self.waiting, self.running, self.batch.cache_len if self.batch else 0, time.monotonic()
+            )
+        if admitted:
+            self._prefill(admitted)
+        decoding = any(not s.finished for s in self.running)
+        if decoding:
+            self._decode()
+        self._retire()
+        kv_bytes = sum(t.nbytes for t in self.batch.past) if self.batch else 0
+        self.observer.on_state(len(self.running), len(self.waiting), kv_bytes)
+        return bool(admitted) or decoding
+
+    def _apply_cancellations(self) -> None:
+        now = time.monotonic()
+        for seq in list(self.waiting) + self.running:
+            if seq.finished:
+                continue
+            if seq.key in self._cancelled or (seq.is_cancelled is not None and seq.is_cancelled()):
+                seq.finish_reason = "cancelled"
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                self._emit(seq, now)
+        self._cancelled.clear()  # an id that matched nothing had already finished
+
+    def _prefill(self, sequences: list[Sequence]) -> None:
+        batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
+        self.observer.on_prefill(batch.size * batch.cache_len, padding)
+        tokens = choose_next(sequences, logits)
+        now = time.monotonic()
+        for seq in sequences:
+            self._emit(seq, now)
+        if self.batch is None:
+            self.batch, self.running, self._next_tokens = batch, list(sequences), tokens
+        else:
+            self.batch.extend(batch)
+            self.running += sequences
+            self._next_tokens = np.concatenate([self._next_tokens, tokens])
+
+    def _decode(self) -> None:
+        logits = self.batch.step(self.decoder, self._next_tokens)
+        live = [row for row, s in enumerate(self.running) if not s.finished]
+        self.observer.on_decode(len(self.running), len(self.running) - len(live))
+        chosen = choose_next([self.running[r] for r in live], logits[live])
+        self._next_tokens[live] = chosen
+        now = time.monotonic()
+        for row in live:
+            self._emit(self.running[row], now)
+
+    def _retire(self) -> None:
+        """Frees the cache rows of finished sequences. Static batching keeps computing finished rows until the
+        last row ends (only a cancelled row leaves at once)."""
+        if self.config.strategy == "static" and any(not s.finished for s in self.running):
+            keep = [row for row, s in enumerate(self.running) if s.finish_reason != "cancelled"]
+        else:
+            keep = [row for row, s in enumerate(self.running) if not s.finished]
+        if len(keep) == len(self.running):
+            return
+        if not keep:
+            self.batch, self.running, self._next_tokens = None, [], np.zeros(0, np.int64)
+            return
+        self.batch.select(keep)
+        self.running = [self.running[r] for r in keep]
+        self._next_tokens = self._next_tokens[keep]
+
+    def _emit(self, seq: Sequence, now: float) -> None:
+        if seq.final_sent:
+            return
+        new = seq.take_emittable()
+        if new:
+            self.observer.on_tokens(seq, len(new), now, first=seq.first_token_at is None)
+            seq.first_token_at = seq.first_token_at or now
+            seq.last_token_at = now
+        seq.final_sent = seq.finished
+        if (new or seq.finished) and seq.emit is not None:
+            seq.emit(seq, new, seq.finished)
+
+
+def generate(decoder: OnnxDecoder, sequences: list[Sequence], strategy: str = "dynamic") -> EngineObserver:
+    """Runs these sequences to completion on the calling thread, as one group; returns the engine's totals."""
+    config = SchedulerConfig(
+        strategy=strategy,
+        max_batch_size=len(sequences),
+        static_batch_size=len(sequences),
+        kv_budget_tokens=sum(s.reserved_tokens() for s in sequences) * len(sequences),
+        max_queue_size=len(sequences),
+    )
+    engine = Engine(decoder, config)
+    for seq in sequences:
+        engine.submit(seq)
+    while engine.step():
+        pass
+    return engine.observer

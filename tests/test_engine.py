@@ -1,0 +1,189 @@
+"""The engine on the real exported model: the three strategies, joining mid-flight, cancellation, bounds."""
+
+import time
+
+import pytest
+
+from python_backend.engine import Engine, QueueFullError, generate
+from python_backend.errors import InvalidRequestError
+from python_backend.sampling import SamplingParams
+from python_backend.scheduler import SchedulerConfig
+from python_backend.sequence import Sequence
+
+PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):", "Name a color."]
+MAX_TOKENS = [12, 6, 10, 8, 5]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+
+
+def make(prompts, max_tokens=MAX_TOKENS, **params):
+    events = []
+    seqs = [
+        Sequence(prompt_ids=p, params=SamplingParams(max_tokens=n, end_ids=(2,), **params),
+                 emit=lambda seq, ids, done: events.append((seq.key, list(ids), done)))
+        for p, n in zip(prompts, max_tokens)
+    ]
+    return seqs, events
+
+
+@pytest.fixture(scope="module")
+def alone(decoder, prompts):
+    answers = []
+    for p, n in zip(prompts, MAX_TOKENS):
+        [seq], _ = make([p], [n])
+        generate(decoder, [seq])
+        answers.append(seq.output_ids)
+    return answers
+
+
+def engine(decoder, **config):
+    return Engine(decoder, SchedulerConfig(**{"kv_budget_tokens": 100000, **config}))
+
+
+def test_continuous_batching_admits_at_every_step_and_changes_no_answer(decoder, prompts, alone):
+    eng = engine(decoder, strategy="continuous")
+    seqs, events = make(prompts)
+    eng.submit(seqs[0])
+    eng.step()
+    eng.submit(seqs[1])
+    eng.step()
+    assert len(eng.running) == 2, "a new request joins the running batch at the next step"
+    for seq in seqs[2:]:
+        eng.submit(seq)
+        eng.step()
+    while eng.step():
+        pass
+    assert [s.output_ids for s in seqs] == alone
+    # every sequence's emitted pieces add up to its output, and exactly one piece is final
+    for seq in seqs:
+        pieces = [e for e in events if e[0] == seq.key]
+        assert sum((ids for _, ids, _ in pieces), []) == seq.output_ids
+        assert [done for *_, done in pieces].count(True) == 1 and pieces[-1][2]
+
+
+def test_finished_sequences_leave_the_batch_at_once(decoder, prompts):
+    eng = engine(decoder, strategy="continuous")
+    seqs, _ = make(prompts[:2], [10, 2])
+    for seq in seqs:
+        eng.submit(seq)
+    eng.step()
+    eng.step()
+    assert seqs[1].finished and eng.running == [seqs[0]] and eng.batch.size == 1
+
+
+@pytest.mark.parametrize("strategy", ["dynamic", "static"])
+def test_group_strategies_give_the_same_answers(decoder, prompts, alone, strategy):
+    seqs, _ = make(prompts)
+    generate(decoder, seqs, strategy=strategy)
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_static_waits_for_its_batch_then_keeps_finished_rows(decoder, prompts):
+    eng = engine(decoder, strategy="static", static_batch_size=3, static_timeout_s=60)
+    seqs, _ = make(prompts[:3], [10, 1, 3])
+    eng.submit(seqs[0])
+    eng.submit(seqs[1])
+    assert not eng.step() and eng.running == [], "static batching waits for static_batch_size requests"
+    eng.submit(seqs[2])
+    eng.step()
+    assert seqs[1].finished and len(eng.running) == 3, "a finished row stays until the batch ends"
+    while eng.step():
+        pass
+    assert eng.observer.padding_tokens > 0 and eng.batch is None
+
+
+def test_static_timeout_starts_a_partial_batch(decoder, prompts):
+    eng = engine(decoder, strategy="static", static_batch_size=8, static_timeout_s=0.05)
+    [seq], _ = make(prompts[:1], [5])
+    eng.submit(seq)
+    assert not eng.step()
+    time.sleep(0.06)
+    assert eng.step() and len(eng.running) == 1
+
+
+def test_dynamic_runs_groups_and_buckets_by_length(decoder, prompts):
+    eng = engine(decoder, strategy="dynamic", length_buckets=(20,))
+    short = [p[:5] for p in prompts[:2]]
+    seqs, _ = make([prompts[0], short[0], prompts[2], short[1]], [4, 4, 4, 4])
+    for seq in seqs:
+        eng.submit(seq)
+    eng.step()
+    assert {s.key for s in eng.running} == {seqs[0].key, seqs[2].key}, "one length bucket at a time"
+    late, _ = make(prompts[3:4], [4])
+    eng.submit(late[0])
+    eng.step()
+    assert late[0] not in eng.running, "a dynamic group runs to completion before the next starts"
+    while eng.step():
+        pass
+    assert all(s.finished for s in seqs + late)
+
+
+def test_cancel_frees_the_sequence_within_one_step(decoder, prompts):
+    eng = engine(decoder, strategy="continuous")
+    seqs, events = make(prompts[:2], [50, 50])
+    for seq in seqs:
+        eng.submit(seq)
+    eng.step()
+    eng.step()
+    eng.cancel(seqs[0].key)
+    eng.step()
+    assert seqs[0].finish_reason == "cancelled" and eng.running == [seqs[1]] and eng.batch.size == 1
+    assert events[-1][0] == seqs[1].key and [e for e in events if e[0] == seqs[0].key][-1][2] is True
+
+
+def test_cancel_of_a_waiting_sequence_and_the_is_cancelled_poll(decoder, prompts):
+    eng = engine(decoder, strategy="continuous", max_batch_size=1)
+    seqs, _ = make(prompts[:2], [20, 20])
+    flag = {"cancelled": False}
+    seqs[0].is_cancelled = lambda: flag["cancelled"]
+    for seq in seqs:
+        eng.submit(seq)
+    eng.step()
+    assert eng.running == [seqs[0]] and list(eng.waiting) == [seqs[1]]
+    eng.cancel(seqs[1].key)
+    flag["cancelled"] = True
+    eng.step()
+    assert seqs[0].finish_reason == seqs[1].finish_reason == "cancelled" and not eng.waiting
+
+
+def test_kv_budget_bounds_the_batch_and_the_queue_is_bounded(decoder, prompts):
+    seqs, _ = make(prompts[:3], [10, 10, 10])
+    need_one = max(len(p) for p in prompts[:3]) + 10
+    eng = engine(decoder, strategy="continuous", kv_budget_tokens=2 * need_one, max_queue_size=1)
+    eng.submit(seqs[0])
+    eng.step()
+    eng.submit(seqs[1])
+    with pytest.raises(QueueFullError, match="queue is full"):
+        eng.submit(seqs[2])
+    while eng.step():
+        assert eng.batch is None or eng.batch.size * eng.batch.cache_len <= 2 * need_one
+    too_big, _ = make(prompts[:1], [1000])
+    with pytest.raises(InvalidRequestError, match="more than the budget"):
+        eng.submit(too_big[0])
+
+
+def test_stop_sequence_tail_is_held_back_until_decided(decoder, prompts, alone):
+    stop = tuple(alone[0][3:5])
+    seqs, events = make(prompts[:1], [12], stop_token_sequences=(stop,))
+    generate(decoder, seqs)
+    assert seqs[0].output_ids == alone[0][:3] and seqs[0].finish_reason == "stop"
+    assert sum((ids for _, ids, _ in events), []) == alone[0][:3]
+
+
+def test_engine_thread_serves_submissions(decoder, prompts, alone):
+    eng = engine(decoder, strategy="continuous")
+    seqs, _ = make(prompts)
+    eng.start()
+    try:
+        for seq in seqs:
+            eng.submit(seq)
+            time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while not all(s.final_sent for s in seqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        eng.stop()
+    assert [s.output_ids for s in seqs] == alone
