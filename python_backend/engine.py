@@ -12,7 +12,7 @@ from collections import deque
 
 import numpy as np
 
-from python_backend.errors import InvalidRequestError
+from python_backend.errors import InvalidRequestError, UnavailableError
 from python_backend.kv_batch import KVBatch
 from python_backend.onnx_decoder import OnnxDecoder
 from python_backend.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
@@ -28,7 +28,7 @@ def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
     return tokens
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(UnavailableError):
     """The waiting queue is at its bound: the client should retry later (503 / UNAVAILABLE)."""
 
 
@@ -73,6 +73,7 @@ class Engine:
         self.batch: KVBatch | None = None
         self._next_tokens = np.zeros(0, np.int64)
         self._cancelled: set[str] = set()
+        self._admitting: list[Sequence] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -119,8 +120,22 @@ class Engine:
                     self._lock.wait()
                 if self._stopping:
                     return
-            if not self.step():
+            try:
+                worked = self.step()
+            except Exception as error:  # noqa: BLE001 - the loop must survive; the requests get the error
+                self._fail_all(error)
+                continue
+            if not worked:
                 time.sleep(0.002)  # only static batching waits here, for its batch to fill or time out
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq in self.running + self._admitting:
+            if not seq.final_sent:
+                seq.finish_reason, seq.final_sent = "error", True
+                if seq.on_error is not None:
+                    seq.on_error(seq, error)
+        self.batch, self.running, self._admitting = None, [], []
+        self._next_tokens = np.zeros(0, np.int64)
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do yet."""
@@ -130,7 +145,9 @@ class Engine:
                 self.waiting, self.running, self.batch.cache_len if self.batch else 0, time.monotonic()
             )
         if admitted:
+            self._admitting = admitted
             self._prefill(admitted)
+            self._admitting = []
         decoding = any(not s.finished for s in self.running)
         if decoding:
             self._decode()

@@ -21,11 +21,12 @@ class Sequence:
     params: SamplingParams
     key: str = field(default_factory=lambda: f"seq-{next(_keys)}")
     emit: Emit | None = field(default=None, repr=False)
+    on_error: Callable[["Sequence", Exception], None] | None = field(default=None, repr=False)
     # Polled once per step: lets a direct (non-ensemble) client's cancelled stream free the sequence.
     is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "stop", "length" or "cancelled"
+    finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "error"
     emitted: int = 0  # how many output ids were already handed out
     final_sent: bool = False
     first_token_at: float | None = None

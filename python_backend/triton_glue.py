@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
-from python_backend.errors import InvalidRequestError
+from python_backend.errors import InvalidRequestError, UnavailableError, tagged_message
+
+
+def model_config(args: dict) -> dict:
+    return json.loads(args["model_config"])
 
 
 def parameters(args: dict) -> dict[str, str]:
-    config = json.loads(args["model_config"])
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+    return {key: value["string_value"] for key, value in model_config(args).get("parameters", {}).items()}
 
 
 def getter(pb_utils, request):
@@ -22,8 +25,13 @@ def getter(pb_utils, request):
     return get
 
 
-def error_response(pb_utils, error: Exception):
-    """A bad request becomes INVALID_ARG (HTTP 400) with its message; anything else an INTERNAL error."""
+def error_response(pb_utils, error: Exception, tag: bool = False):
+    """A bad request becomes INVALID_ARG (HTTP 400), a full queue UNAVAILABLE (HTTP 503), each with its message;
+    anything else an INTERNAL error. tag: write the code into the message too, for a BLS caller."""
+    if tag:
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged_message(error)))
     if isinstance(error, InvalidRequestError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(error, UnavailableError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE))
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}"))

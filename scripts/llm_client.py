@@ -1,10 +1,12 @@
-"""Calling the `ensemble` model three ways: tritonclient HTTP, tritonclient gRPC, and Triton's /generate.
+"""Calling the model five ways: tritonclient HTTP and gRPC (unary, model `ensemble_unary`), gRPC streaming, and
+Triton's /generate and /generate_stream (model `ensemble`).
 
 A request is a dict of ensemble inputs, e.g. ``{"text_input": "Hi", "max_tokens": 32, "temperature": 0.7}``."""
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import urllib.error
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODEL = "ensemble"
+MODEL = "ensemble"  # decoupled: gRPC streaming, /generate, /generate_stream
+UNARY_MODEL = "ensemble_unary"  # the same model for HTTP /infer and gRPC ModelInfer
 # Ensemble input name -> (Triton dtype, numpy dtype). Shapes are [1, 1] except stop_words, [1, n].
 INPUT_TYPES = {
     "text_input": ("BYTES", np.object_),
@@ -26,8 +29,9 @@ INPUT_TYPES = {
     "end_id": ("INT32", np.int32),
     "apply_chat_template": ("BOOL", np.bool_),
     "stop_words": ("BYTES", np.object_),
+    "stream": ("BOOL", np.bool_),
 }
-PROTOCOLS = ("http", "grpc", "generate")
+PROTOCOLS = ("http", "grpc", "generate", "grpc-stream", "generate-stream")
 
 
 @dataclass
@@ -35,6 +39,8 @@ class Completion:
     text: str
     output_tokens: int
     latency_s: float
+    first_token_s: float | None = None  # streaming clients only: time to the first text delta
+    deltas: list[str] | None = None  # streaming clients only
 
 
 class RequestError(RuntimeError):
@@ -87,7 +93,7 @@ class HttpClient:
         started = time.perf_counter()
         outputs = [http.InferRequestedOutput("text_output"), http.InferRequestedOutput("output_token_count")]
         try:
-            result = self._client().infer(MODEL, triton_inputs(http, request), outputs=outputs)
+            result = self._client().infer(UNARY_MODEL, triton_inputs(http, request), outputs=outputs)
         except InferenceServerException as error:
             raise RequestError(error.message()) from None
         return _completion(result, started)
@@ -108,7 +114,7 @@ class GrpcClient:
         outputs = [grpc.InferRequestedOutput("text_output"), grpc.InferRequestedOutput("output_token_count")]
         try:
             result = self.client.infer(
-                MODEL, triton_inputs(grpc, request), outputs=outputs, client_timeout=self.timeout_s
+                UNARY_MODEL, triton_inputs(grpc, request), outputs=outputs, client_timeout=self.timeout_s
             )
         except InferenceServerException as error:
             raise RequestError(error.message()) from None
@@ -134,11 +140,91 @@ class GenerateClient:
         return Completion(reply["text_output"], int(reply["output_token_count"]), time.perf_counter() - started)
 
 
+def _streamed(deltas, started: float) -> Completion:
+    """Collects (text, token_count) deltas into a Completion with its time to first token."""
+    texts, tokens, first = [], 0, None
+    for text, count in deltas:
+        if first is None and text:
+            first = time.perf_counter() - started
+        texts.append(text)
+        tokens += count
+    return Completion("".join(texts), tokens, time.perf_counter() - started, first, texts)
+
+
+class GrpcStreamClient:
+    """gRPC bidirectional streaming (start_stream / async_stream_infer) with stream=true: text arrives in deltas.
+    One stream per request, as Locust and genai-perf do."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 600):
+        self.url, self.timeout_s = url, timeout_s
+
+    def stream(self, request: dict, on_open=None):
+        """Yields (text, token_count) per response. on_open(client) gets the client, e.g. to cancel the stream."""
+        import tritonclient.grpc as grpc
+
+        client = grpc.InferenceServerClient(self.url)
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                            stream_timeout=self.timeout_s)
+        try:
+            if on_open:
+                on_open(client)
+            client.async_stream_infer(MODEL, triton_inputs(grpc, {**request, "stream": True}),
+                                      enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=self.timeout_s)
+                if error is not None:
+                    raise RequestError(error.message() if hasattr(error, "message") else str(error))
+                response = result.get_response()
+                if result.as_numpy("text_output") is not None:
+                    text = result.as_numpy("text_output").reshape(-1)[0]
+                    yield (text.decode("utf-8") if isinstance(text, bytes) else str(text),
+                           int(result.as_numpy("output_token_count").reshape(-1)[0]))
+                if response.parameters.get("triton_final_response").bool_param:
+                    return
+        finally:
+            client.stop_stream()
+            client.close()
+
+    def complete(self, request: dict) -> Completion:
+        return _streamed(self.stream(request), time.perf_counter())
+
+
+class GenerateStreamClient:
+    """POST /v2/models/ensemble/generate_stream (server-sent events) with stream=true."""
+
+    def __init__(self, url: str = "127.0.0.1:8000", timeout_s: float = 600):
+        self.endpoint = f"http://{url}/v2/models/{MODEL}/generate_stream"
+        self.timeout_s = timeout_s
+
+    def stream(self, request: dict):
+        body = json.dumps({**request, "stream": True}).encode("utf-8")
+        http_request = urllib.request.Request(self.endpoint, body, {"Content-Type": "application/json"})
+        try:
+            response = urllib.request.urlopen(http_request, timeout=self.timeout_s)
+        except urllib.error.HTTPError as error:
+            raise RequestError(f"HTTP {error.code}: {error.read().decode('utf-8', 'replace')}") from None
+        with response:
+            for line in response:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RequestError(event["error"])
+                yield event["text_output"], int(event["output_token_count"])
+
+    def complete(self, request: dict) -> Completion:
+        return _streamed(self.stream(request), time.perf_counter())
+
+
 def make_client(protocol: str, http_url: str, grpc_url: str):
-    if protocol == "http":
-        return HttpClient(http_url)
-    if protocol == "grpc":
-        return GrpcClient(grpc_url)
-    if protocol == "generate":
-        return GenerateClient(http_url)
-    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    clients = {
+        "http": lambda: HttpClient(http_url),
+        "grpc": lambda: GrpcClient(grpc_url),
+        "generate": lambda: GenerateClient(http_url),
+        "grpc-stream": lambda: GrpcStreamClient(grpc_url),
+        "generate-stream": lambda: GenerateStreamClient(http_url),
+    }
+    if protocol not in clients:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return clients[protocol]()

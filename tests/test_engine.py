@@ -187,3 +187,39 @@ def test_engine_thread_serves_submissions(decoder, prompts, alone):
     finally:
         eng.stop()
     assert [s.output_ids for s in seqs] == alone
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts, alone):
+    class Broken:
+        cache_shape = decoder.cache_shape
+
+        def __init__(self):
+            self.calls = 0
+
+        def empty_cache(self, n):
+            return decoder.empty_cache(n)
+
+        def forward(self, *args):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("boom")
+            return decoder.forward(*args)
+
+    eng = Engine(Broken(), SchedulerConfig(kv_budget_tokens=100000))
+    errors = []
+    first, _ = make(prompts[:1], [4])
+    second, _ = make(prompts[:1], [MAX_TOKENS[0]])
+    first[0].on_error = lambda seq, error: errors.append(str(error))
+    eng.start()
+    try:
+        eng.submit(first[0])
+        deadline = time.monotonic() + 30
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.submit(second[0])
+        while not second[0].final_sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        eng.stop()
+    assert errors == ["boom"] and first[0].finish_reason == "error"
+    assert second[0].output_ids == alone[0]

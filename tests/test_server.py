@@ -61,16 +61,35 @@ def test_served_greedy_text_equals_transformers_generate(server, reference, toke
         assert completion.output_tokens == len(reference[prompt])
 
 
+def llm_output_ids(server, input_ids: list[int], max_tokens: int) -> list[int]:
+    """Calls the decoupled llm model directly over a gRPC stream; returns all generated ids."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(grpc_url(server))
+    responses = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    ids = np.array([input_ids], np.int32)
+    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT32"),
+              grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(np.array([[max_tokens]], np.int32))
+    client.async_stream_infer("llm", inputs)
+    generated = []
+    try:
+        while True:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            generated += result.as_numpy("output_ids").reshape(-1).tolist()
+            if result.as_numpy("finished").reshape(-1)[0]:
+                return generated
+    finally:
+        client.stop_stream()
+
+
 def test_llm_model_output_ids_equal_transformers_token_for_token(server, reference, tokenizer):
-    client = httpclient.InferenceServerClient(http_url(server))
     for prompt in PROMPTS:
-        ids = np.array([tokenizer.encode(prompt, apply_chat_template=True)], np.int32)
-        inputs = [httpclient.InferInput("input_ids", list(ids.shape), "INT32"),
-                  httpclient.InferInput("max_tokens", [1, 1], "INT32")]
-        inputs[0].set_data_from_numpy(ids)
-        inputs[1].set_data_from_numpy(np.array([[MAX_TOKENS]], np.int32))
-        output_ids = client.infer("llm", inputs).as_numpy("output_ids").reshape(-1).tolist()
-        assert output_ids == reference[prompt], prompt
+        ids = tokenizer.encode(prompt, apply_chat_template=True)
+        assert llm_output_ids(server, ids, MAX_TOKENS) == reference[prompt], prompt
 
 
 def test_http_grpc_and_generate_give_the_same_answer(server):
@@ -147,10 +166,10 @@ def test_bad_input_gets_a_clear_400_and_invalid_argument(server, request_, messa
     with pytest.raises(RequestError, match=r"^HTTP 400: .*" + _escape(message)):
         GenerateClient(http_url(server)).complete(request_)
     with pytest.raises(InferenceServerException) as http_error:
-        httpclient.InferenceServerClient(http_url(server)).infer("ensemble", triton_inputs(httpclient, request_))
+        httpclient.InferenceServerClient(http_url(server)).infer("ensemble_unary", triton_inputs(httpclient, request_))
     assert http_error.value.status() == "400" and message in http_error.value.message()
     with pytest.raises(InferenceServerException) as grpc_error:
-        grpcclient.InferenceServerClient(grpc_url(server)).infer("ensemble", triton_inputs(grpcclient, request_))
+        grpcclient.InferenceServerClient(grpc_url(server)).infer("ensemble_unary", triton_inputs(grpcclient, request_))
     assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT" and message in grpc_error.value.message()
     assert_server_ready(server)
 
@@ -166,7 +185,7 @@ def test_wrong_dtype_gets_a_clear_400(server):
     wrong = httpclient.InferInput("max_tokens", [1, 1], "FP32")
     wrong.set_data_from_numpy(np.array([[8.0]], np.float32))
     with pytest.raises(InferenceServerException) as error:
-        httpclient.InferenceServerClient(http_url(server)).infer("ensemble", inputs + [wrong])
+        httpclient.InferenceServerClient(http_url(server)).infer("ensemble_unary", inputs + [wrong])
     assert error.value.status() == "400" and "max_tokens" in error.value.message()
     assert "TYPE_INT32" in error.value.message() or "INT32" in error.value.message()
     assert_server_ready(server)

@@ -1,14 +1,23 @@
-"""llm: the ONNX decoder on onnxruntime with a KV cache. Each batch that Triton's dynamic batcher forms runs to
-completion together; a sequence that finishes leaves the batch at once."""
+"""llm: the ONNX decoder on onnxruntime, driven by the engine's loop (continuous, dynamic or static batching).
+
+Decoupled: each request gets one response per step with its new token ids, the last one flagged final. A request
+with ``cancel: true`` and a ``request_key`` cancels the running request with that key (the front model sends one
+when its client goes away: Triton does not pass cancellation into composed models)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backend.engine import generate
+from python_backend.engine import Engine
+from python_backend.errors import InvalidRequestError
 from python_backend.llm_requests import sequence_from_inputs
 from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
 from python_backend.onnx_decoder import OnnxDecoder
-from python_backend.triton_glue import error_response, getter, parameters
+from python_backend.request_inputs import scalar
+from python_backend.scheduler import SchedulerConfig
+from python_backend.triton_glue import error_response, getter, model_config, parameters
+from python_backend.triton_metrics import TritonMetricsObserver
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -17,27 +26,68 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(params["model_dir"], args["model_repository"])
         self.settings = ModelSettings.load(model_dir)
         self.max_context = min(int(params["max_context_length"]), self.settings.max_position_embeddings)
-        self.decoder = OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"]))
+        decoder = OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"]))
+        max_batch_size = int(model_config(args)["max_batch_size"])
+        config = SchedulerConfig(
+            strategy=params["batching_strategy"],
+            max_batch_size=max_batch_size,
+            kv_budget_tokens=int(float(params["kv_cache_budget_mb"]) * 2**20) // decoder.cache_shape.bytes_per_token(),
+            max_queue_size=int(params["max_queue_size"]),
+            max_prefill_tokens=int(params["max_prefill_tokens"]),
+            static_batch_size=int(params.get("static_batch_size") or max_batch_size),
+            static_timeout_s=float(params["static_timeout_ms"]) / 1000,
+            length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
+        )
+        observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy})
+        self.engine = Engine(decoder, config, observer)
+        self.engine.start()
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        sequences, rows = [], []
-        for row, request in enumerate(requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            get = getter(pb_utils, request)
+            key = None
             try:
-                sequences.append(
-                    sequence_from_inputs(getter(pb_utils, request), self.settings.eos_token_ids, self.max_context)
-                )
-                rows.append(row)
+                key = scalar(get, "request_key")
+                if scalar(get, "cancel", False):
+                    if key is None:
+                        raise InvalidRequestError("cancel needs a request_key")
+                    self.engine.cancel(key)
+                    sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
+                    continue
+                seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.max_context)
+                if key is not None:
+                    seq.key = key
+                seq.emit = _emitter(sender)
+                seq.on_error = _error_sender(sender, tag=key is not None)
+                seq.is_cancelled = sender.is_cancelled
+                self.engine.submit(seq)
             except Exception as error:
-                responses[row] = error_response(pb_utils, error)
-        if sequences:
-            try:
-                generate(self.decoder, sequences)
-            except Exception as error:
-                for row in rows:
-                    responses[row] = error_response(pb_utils, error)
-                return responses
-        for row, seq in zip(rows, sequences):
-            ids = pb_utils.Tensor("output_ids", np.asarray([seq.output_ids], np.int32))
-            responses[row] = pb_utils.InferenceResponse(output_tensors=[ids])
-        return responses
+                # Keyed requests come from the front model over BLS, which loses error codes: tag the message.
+                _error_sender(sender, tag=key is not None)(None, error)
+        return None
+
+    def finalize(self):
+        self.engine.stop()
+
+
+def _outputs(ids, finished):
+    return [
+        pb_utils.Tensor("output_ids", np.asarray([ids], np.int32).reshape(1, len(ids))),
+        pb_utils.Tensor("finished", np.asarray([[finished]], np.bool_)),
+    ]
+
+
+def _emitter(sender):
+    def emit(seq, new_ids, finished):
+        response = pb_utils.InferenceResponse(output_tensors=_outputs(new_ids, finished))
+        sender.send(response, flags=FINAL if finished else 0)
+
+    return emit
+
+
+def _error_sender(sender, tag):
+    def send(_seq, error):
+        sender.send(error_response(pb_utils, error, tag=tag), flags=FINAL)
+
+    return send

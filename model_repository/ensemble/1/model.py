@@ -1,0 +1,91 @@
+"""The user-facing model: validate and tokenize (python_backend/preprocessing.py) → the llm model's token stream
+(a BLS call) → incremental detokenization → one answer, or a stream of text deltas.
+
+`ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
+not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model send the llm model a
+cancel request for its sequence: Triton does not pass cancellation into composed models by itself."""
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backend.errors import InvalidRequestError, error_from_tagged
+from python_backend.frontend import USER_INPUTS, text_deltas
+from python_backend.model_files import resolve_model_dir
+from python_backend.preprocessing import Preprocessor
+from python_backend.request_inputs import scalar
+from python_backend.tokenization import PromptTokenizer
+from python_backend.triton_glue import error_response, model_config, parameters
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = parameters(args)
+        self.tokenizer = PromptTokenizer(resolve_model_dir(params["model_dir"], args["model_repository"]))
+        self.preprocessor = Preprocessor(self.tokenizer, params["apply_chat_template"].lower() == "true")
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config(args))
+        self.pool = ThreadPoolExecutor(int(params["max_concurrent_requests"]), thread_name_prefix="front")
+
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in USER_INPUTS + ("stream",):
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy().copy()
+            self.pool.submit(self._serve, inputs, request.get_response_sender())
+        return None
+
+    def _serve(self, inputs, sender):
+        try:
+            stream = bool(scalar(inputs.get, "stream", False))
+            if stream and not self.decoupled:
+                raise InvalidRequestError("stream=true needs the decoupled model 'ensemble' "
+                                          "(gRPC streaming or /generate_stream)")
+            key = uuid.uuid4().hex
+            llm_inputs = self.preprocessor.prepare(inputs.get)
+            chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in llm_inputs.items()], key)
+            for delta in text_deltas(chunks, self.tokenizer.decode, stream, sender.is_cancelled,
+                                     lambda: _cancel(key)):
+                outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
+                           pb_utils.Tensor("output_token_count", np.array([[delta.token_count]], np.int32))]
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if delta.finished else 0)
+                if delta.finished:
+                    return
+            sender.send(flags=FINAL)  # cancelled: close the stream without more data
+        except Exception as error:
+            sender.send(error_response(pb_utils, error), flags=FINAL)
+
+
+def _raise_for(response):
+    if response.has_error():
+        raise error_from_tagged(response.error().message())
+
+
+def _llm_stream(tensors, key):
+    key_tensor = pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_))
+    request = pb_utils.InferenceRequest(
+        model_name="llm", inputs=tensors + [key_tensor], requested_output_names=["output_ids", "finished"]
+    )
+    for response in request.exec(decoupled=True):
+        _raise_for(response)
+        ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+        if ids is None:  # an empty closing response
+            continue
+        finished = bool(pb_utils.get_output_tensor_by_name(response, "finished").as_numpy().reshape(-1)[0])
+        yield ids.as_numpy().reshape(-1).tolist(), finished
+
+
+def _cancel(key):
+    request = pb_utils.InferenceRequest(
+        model_name="llm",
+        inputs=[pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_)),
+                pb_utils.Tensor("cancel", np.array([[True]], np.bool_))],
+        requested_output_names=["finished"],
+    )
+    for response in request.exec(decoupled=True):
+        _raise_for(response)

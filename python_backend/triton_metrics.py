@@ -1,0 +1,67 @@
+"""Engine metrics as Triton Python-backend custom metrics, served on Triton's metrics port (/metrics).
+
+``pb_utils`` is passed in, so the module imports without a server."""
+
+from __future__ import annotations
+
+from python_backend.engine import EngineObserver
+from python_backend.sequence import Sequence
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class TritonMetricsObserver(EngineObserver):
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        super().__init__()
+        family = pb_utils.MetricFamily
+        self._families = []  # a MetricFamily must outlive its Metric objects
+
+        def make(name, description, kind, buckets=None):
+            metric_family = family(name=name, description=description, kind=kind)
+            self._families.append(metric_family)
+            if buckets is None:
+                return metric_family.Metric(labels=labels)
+            return metric_family.Metric(labels=labels, buckets=buckets)
+
+        self.ttft = make("llm_time_to_first_token_seconds", "Time from arrival at the llm model to the first token",
+                         family.HISTOGRAM, LATENCY_BUCKETS)
+        self.itl = make("llm_inter_token_latency_seconds", "Time between two tokens of one sequence",
+                        family.HISTOGRAM, LATENCY_BUCKETS)
+        self.batch = make("llm_batch_size", "Sequences in each decode step", family.HISTOGRAM, BATCH_BUCKETS)
+        self.tokens = make("llm_output_tokens_total", "Tokens generated", family.COUNTER)
+        self.computed = make("llm_computed_tokens_total", "Token positions computed (prefill and decode)",
+                             family.COUNTER)
+        self.padding = make("llm_padding_tokens_total",
+                            "Computed positions that were padding or finished rows", family.COUNTER)
+        self.running = make("llm_running_sequences", "Sequences in the decode batch", family.GAUGE)
+        self.waiting = make("llm_waiting_sequences", "Sequences waiting to be admitted", family.GAUGE)
+        self.kv_bytes = make("llm_kv_cache_bytes", "Bytes held by the batch's KV cache", family.GAUGE)
+        self.waste = make("llm_padding_waste_ratio", "padding tokens / computed tokens, since start", family.GAUGE)
+
+    def on_prefill(self, computed: int, padding: int) -> None:
+        super().on_prefill(computed, padding)
+        self.computed.increment(computed)
+        if padding:
+            self.padding.increment(padding)
+
+    def on_decode(self, batch_size: int, dead_rows: int) -> None:
+        super().on_decode(batch_size, dead_rows)
+        self.batch.observe(batch_size)
+        self.computed.increment(batch_size)
+        if dead_rows:
+            self.padding.increment(dead_rows)
+
+    def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
+        super().on_tokens(sequence, count, now, first)
+        self.tokens.increment(count)
+        if first:
+            self.ttft.observe(now - sequence.arrival)
+        elif sequence.last_token_at is not None:
+            self.itl.observe((now - sequence.last_token_at) / count)
+
+    def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_bytes.set(kv_bytes)
+        self.waste.set(self.padding_waste())
