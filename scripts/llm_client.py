@@ -95,7 +95,7 @@ class HttpClient:
         try:
             result = self._client().infer(UNARY_MODEL, triton_inputs(http, request), outputs=outputs)
         except InferenceServerException as error:
-            raise RequestError(error.message()) from None
+            raise RequestError(f"HTTP {error.status()}: {error.message()}") from None
         return _completion(result, started)
 
 
