@@ -1,0 +1,208 @@
+"""Batching strategies side by side on one mixed workload, through the real server, with in-process baselines.
+
+    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 5 minutes on 2 cores)
+    python -m scripts.benchmark --requests 8 --skip-sequential
+
+Workload: N prompts of 5-60 tokens from loadtests/prompts.jsonl (English, Chinese, code, emoji; raw text, no chat
+template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
+- onnxruntime loop, one at a time / one static batch of N: the same requests run in-process by this project's
+  generation code with no server (the plain greedy loop with a KV cache);
+- server, one at a time: the requests sent sequentially through Triton (continuous strategy);
+- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy.
+Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scripts.llm_client import Completion, GrpcStreamClient
+from scripts.model_control import SERVED_MODELS, reload_llm
+from scripts.triton_server import PROJECT_ROOT, running_server
+
+PROMPTS = PROJECT_ROOT / "loadtests" / "prompts.jsonl"
+MAX_TOKENS_CYCLE = (16, 32, 64, 128)
+
+
+@dataclass
+class Row:
+    runner: str
+    output_tokens: int
+    wall_s: float
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    latency_p50: float | None = None
+    latency_p95: float | None = None
+    padding_waste: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else None
+
+
+def workload(n: int) -> list[dict]:
+    rows = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [r for r in rows if 5 <= r["prompt_tokens"] <= 60]
+    if len(rows) < n:
+        rows = (rows * (n // len(rows) + 1))
+    return [{"text_input": r["text_input"], "max_tokens": MAX_TOKENS_CYCLE[i % 4], "apply_chat_template": False}
+            for i, r in enumerate(rows[:n])]
+
+
+def log(message: str) -> None:
+    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
+
+
+def in_process(requests: list[dict], model_dir: Path) -> tuple[list[Row], float, list[int]]:
+    from python_backend.engine import generate
+    from python_backend.model_files import ONNX_FILE, ModelSettings
+    from python_backend.onnx_decoder import OnnxDecoder
+    from python_backend.sampling import SamplingParams
+    from python_backend.sequence import Sequence
+    from python_backend.tokenization import PromptTokenizer
+
+    tokenizer, decoder = PromptTokenizer(model_dir), OnnxDecoder(model_dir / ONNX_FILE)
+    eos = ModelSettings.load(model_dir).eos_token_ids
+
+    def sequences():
+        return [Sequence(prompt_ids=tokenizer.encode(r["text_input"], apply_chat_template=False),
+                         params=SamplingParams(max_tokens=r["max_tokens"], end_ids=eos)) for r in requests]
+
+    generate(decoder, sequences()[:2])  # warm-up
+    rows = []
+    log(f"onnxruntime loop: {len(requests)} requests one at a time")
+    seqs, started, latencies = sequences(), time.perf_counter(), []
+    for seq in seqs:
+        t = time.perf_counter()
+        generate(decoder, [seq])
+        latencies.append(time.perf_counter() - t)
+    rows.append(Row("onnxruntime loop, one at a time", sum(len(s.output_ids) for s in seqs),
+                    time.perf_counter() - started, latency_p50=percentile(latencies, 50),
+                    latency_p95=percentile(latencies, 95), padding_waste=0.0))
+    lengths_alone = [len(s.output_ids) for s in seqs]
+    log(f"onnxruntime loop: one static batch of {len(requests)}")
+    seqs, started = sequences(), time.perf_counter()
+    totals = generate(decoder, seqs, strategy="static")
+    wall = time.perf_counter() - started
+    rows.append(Row(f"onnxruntime loop, static batch of {len(requests)}", sum(len(s.output_ids) for s in seqs), wall,
+                    latency_p50=wall, latency_p95=wall, padding_waste=totals.padding_waste()))
+    assert [len(s.output_ids) for s in seqs] == lengths_alone, "batching changed a greedy answer"
+    # Raw decode: one step for a batch of N at past length 128.
+    from python_backend.kv_batch import KVBatch
+
+    batch, _, _ = KVBatch.prefill(decoder, [[1] * 128] * len(requests))
+    tokens = np.ones(len(requests), np.int64)
+    times = []
+    for _ in range(6):
+        t = time.perf_counter()
+        batch.step(decoder, tokens)
+        times.append(time.perf_counter() - t)
+    raw = len(requests) / statistics.median(times[1:])
+    return rows, raw, lengths_alone
+
+
+def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tuple[list[Completion], float]:
+    client = GrpcStreamClient(grpc_url)
+    started = time.perf_counter()
+    if concurrent:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            results = list(pool.map(client.complete, requests))
+    else:
+        results = [client.complete(r) for r in requests]
+    return results, time.perf_counter() - started
+
+
+def padding_counters(metrics_port: int, strategy: str) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.labels.get("strategy") == strategy}
+    return values.get("llm_padding_tokens_total", 0.0), values.get("llm_computed_tokens_total", 0.0)
+
+
+def server_row(name: str, results: list[Completion], wall: float, waste: float | None) -> Row:
+    ttft = [r.first_token_s for r in results if r.first_token_s is not None]
+    latency = [r.latency_s for r in results]
+    return Row(name, sum(r.output_tokens for r in results), wall, percentile(ttft, 50), percentile(ttft, 95),
+               percentile(latency, 50), percentile(latency, 95), waste)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--strategies", default="continuous,dynamic,static")
+    parser.add_argument("--skip-sequential", action="store_true",
+                        help="skip sending the requests one at a time through the server (slow)")
+    parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "benchmark.json")
+    args = parser.parse_args(argv)
+    requests = workload(args.requests)
+    rows, raw_decode, lengths_alone = in_process(requests, args.model_dir)
+    log_path = PROJECT_ROOT / "build" / "benchmark-server.log"
+    with running_server(log_path=log_path, explicit_models=SERVED_MODELS) as ports:
+        http, grpc = f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}"
+        for strategy in args.strategies.split(","):
+            log(f"server: strategy {strategy}, {len(requests)} concurrent requests")
+            reload_llm(http, max_batch_size=len(requests), batching_strategy=strategy,
+                       static_batch_size=len(requests))
+            through_server(requests[:2], grpc, concurrent=True)  # warm-up
+            before = padding_counters(ports.metrics, strategy)
+            results, wall = through_server(requests, grpc, concurrent=True)
+            after = padding_counters(ports.metrics, strategy)
+            padded, computed = after[0] - before[0], after[1] - before[1]
+            rows.append(server_row(f"server, {strategy}", results, wall, padded / computed if computed else None))
+            if [r.output_tokens for r in results] != lengths_alone:
+                log(f"WARNING: {strategy} produced different output lengths than the in-process run")
+        if not args.skip_sequential:
+            log("server: one at a time (continuous)")
+            reload_llm(http, max_batch_size=len(requests), batching_strategy="continuous")
+            results, wall = through_server(requests, grpc, concurrent=False)
+            rows.insert(2, server_row("server, one at a time", results, wall, None))
+    print_table(rows, raw_decode, len(requests))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"requests": len(requests), "raw_decode_tokens_per_s": raw_decode,
+                                       "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]},
+                                      indent=2))
+    log(f"wrote {args.output}")
+    return 0
+
+
+def print_table(rows: list[Row], raw_decode: float, n: int) -> None:
+    def find(prefix):
+        return next((r for r in rows if r.runner.startswith(prefix)), None)
+
+    one = find("server, one at a time") or find("onnxruntime loop, one at a time")
+    static = find("onnxruntime loop, static")
+
+    def fmt(value, pattern="{:.2f}"):
+        return "-" if value is None else pattern.format(value)
+
+    print(f"\n{n} requests, {rows[0].output_tokens} useful output tokens each run; raw onnxruntime decode at batch "
+          f"{n}: {raw_decode:.0f} tokens/s\n")
+    print(f"| runner | output tok/s | vs {one.runner} | vs {static.runner} | TTFT p50 / p95 (s) | "
+          "latency p50 / p95 (s) | padding waste |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r.runner} | {r.tokens_per_s:.1f} | {r.tokens_per_s / one.tokens_per_s:.2f}x | "
+              f"{r.tokens_per_s / static.tokens_per_s:.2f}x | {fmt(r.ttft_p50)} / {fmt(r.ttft_p95)} | "
+              f"{fmt(r.latency_p50)} / {fmt(r.latency_p95)} | {fmt(r.padding_waste, '{:.1%}')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
