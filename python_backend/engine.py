@@ -28,6 +28,22 @@ def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
     return tokens
 
 
+def length_sorted_chunks(sequences: list[Sequence], max_padding: float = 0.25) -> list[list[Sequence]]:
+    """Splits a prefill into chunks of similar prompt length, so that left padding stays under ``max_padding``
+    of each chunk's computed positions. Fewer, larger chunks use the cores better; padding is pure waste."""
+    chunks: list[list[Sequence]] = []
+    for seq in sorted(sequences, key=lambda s: len(s.prompt_ids), reverse=True):
+        if chunks:
+            chunk = chunks[-1]
+            longest = len(chunk[0].prompt_ids)
+            real = sum(len(s.prompt_ids) for s in chunk) + len(seq.prompt_ids)
+            if (len(chunk) + 1) * longest - real <= max_padding * (len(chunk) + 1) * longest:
+                chunk.append(seq)
+                continue
+        chunks.append([seq])
+    return chunks
+
+
 class QueueFullError(UnavailableError):
     """The waiting queue is at its bound: the client should retry later (503 / UNAVAILABLE)."""
 
@@ -169,6 +185,10 @@ class Engine:
         self._cancelled.clear()  # an id that matched nothing had already finished
 
     def _prefill(self, sequences: list[Sequence]) -> None:
+        for chunk in length_sorted_chunks(sequences):
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, sequences: list[Sequence]) -> None:
         batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
         self.observer.on_prefill(batch.size * batch.cache_len, padding)
         tokens = choose_next(sequences, logits)

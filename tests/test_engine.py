@@ -223,3 +223,16 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts
         eng.stop()
     assert errors == ["boom"] and first[0].finish_reason == "error"
     assert second[0].output_ids == alone[0]
+
+
+def test_prefill_chunks_keep_padding_low_and_lose_no_sequence():
+    from python_backend.engine import length_sorted_chunks
+
+    seqs = [Sequence(prompt_ids=[1] * n, params=SamplingParams(max_tokens=1)) for n in (5, 60, 7, 58, 30, 6, 31)]
+    chunks = length_sorted_chunks(seqs)
+    assert sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in seqs)
+    for chunk in chunks:
+        longest = max(len(s.prompt_ids) for s in chunk)
+        padding = len(chunk) * longest - sum(len(s.prompt_ids) for s in chunk)
+        assert padding <= 0.25 * len(chunk) * longest
+    assert len(chunks) == 3  # (60, 58), (31, 30), (7, 6, 5)
