@@ -151,6 +151,7 @@ BAD_REQUESTS = [
     ({"text_input": "Hi", "max_tokens": 8, "top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"text_input": "Hi", "max_tokens": 8, "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": "Hi", "max_tokens": 8, "top_k": -2}, "top_k must be >= 0"),
+    ({"text_input": "Hi", "max_tokens": 8, "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ({"text_input": "Hi"}, "missing required input(s) ['max_tokens']"),
 ]
 
