@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv model demo serve test clean
+.PHONY: venv model demo serve test benchmark sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,18 @@ serve: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+benchmark: model
+	$(PY) -m scripts.benchmark
+
+sweep: model
+	$(PY) -m loadtests.sweep $(SWEEP_ARGS)
+
+sweep-quick: model
+	$(PY) -m loadtests.sweep --quick $(SWEEP_ARGS)
+
+perf-inputs: venv
+	$(PY) -m loadtests.perf_inputs --output build/perf
 
 clean:
 	rm -rf build

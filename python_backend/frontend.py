@@ -3,6 +3,7 @@ detokenization, streaming or one final answer, and cancellation that reaches the
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -54,3 +55,48 @@ def text_deltas(
                 yield Delta("".join(pieces), pending_tokens, True)
         if finished:
             return
+
+
+class CancellationWatch:
+    """Tells the llm model about clients that went away, including those whose request still waits in its queue
+    (they get no token, so the per-token check in ``text_deltas`` never runs for them). Each key is cancelled once."""
+
+    def __init__(self, send_cancel: Callable[[str], None], interval_s: float = 0.1):
+        self.send_cancel, self.interval_s = send_cancel, interval_s
+        self._active: dict[str, Callable[[], bool]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def add(self, key: str, is_cancelled: Callable[[], bool]) -> None:
+        with self._lock:
+            self._active[key] = is_cancelled
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._active.pop(key, None)
+
+    def cancel(self, key: str) -> None:
+        with self._lock:
+            if self._active.pop(key, None) is None:
+                return
+        self.send_cancel(key)
+
+    def poll(self) -> None:
+        with self._lock:
+            active = list(self._active.items())
+        for key, is_cancelled in active:
+            if is_cancelled():
+                self.cancel(key)
+
+    def start(self) -> None:
+        def loop():
+            while not self._stopped.wait(self.interval_s):
+                try:
+                    self.poll()
+                except Exception as error:  # noqa: BLE001 - the watch must outlive one failed cancel
+                    print(f"cancellation watch: {error}", flush=True)
+
+        threading.Thread(target=loop, name="cancellation-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()

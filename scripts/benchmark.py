@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from scripts.llm_client import Completion, GrpcStreamClient
 from scripts.model_control import SERVED_MODELS, reload_llm
+from scripts.server_metrics import read_metrics
 from scripts.triton_server import PROJECT_ROOT, running_server
 
 PROMPTS = PROJECT_ROOT / "loadtests" / "prompts.jsonl"
@@ -127,12 +127,7 @@ def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tup
 
 
 def padding_counters(metrics_port: int, strategy: str) -> tuple[float, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if s.labels.get("strategy") == strategy}
+    values = read_metrics(f"127.0.0.1:{metrics_port}", strategy=strategy)
     return values.get("llm_padding_tokens_total", 0.0), values.get("llm_computed_tokens_total", 0.0)
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.llm_client import (GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient, HttpClient,
                                 RequestError, triton_inputs)
 from tritonclient.utils import InferenceServerException
+from scripts.server_metrics import read_metrics
 from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, running_server
 
 STREAM_PROMPTS = [
@@ -32,15 +32,8 @@ NO_EOS = 49151  # end_id that the model practically never emits: generation runs
 
 
 def metrics(server) -> dict[str, float]:
-    """Samples of the llm_* custom metrics, by sample name (labels dropped; one llm model)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("llm_") and "le" not in sample.labels:
-                values[sample.name] = sample.value
-    return values
+    """The llm model's custom metrics (one llm model on this server)."""
+    return read_metrics(f"127.0.0.1:{server.metrics}")
 
 
 def wait_for(condition, timeout_s: float, interval_s: float = 0.02) -> float:
@@ -190,3 +183,32 @@ def test_beyond_the_queue_bound_requests_get_503_and_unavailable(tiny_queue_serv
     assert all(o.startswith("HTTP 503") and "queue is full" in o for o in refused), refused
     assert grpc_error.value.status() == "StatusCode.UNAVAILABLE" and "queue is full" in grpc_error.value.message()
     assert_ready(server)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "sse"])
+def test_a_waiting_request_whose_client_leaves_is_dropped_from_the_queue(tiny_queue_server, protocol):
+    server = tiny_queue_server
+    wait_for(lambda: metrics(server)["llm_running_sequences"] + metrics(server)["llm_waiting_sequences"] == 0, 60)
+    running = threading.Thread(target=lambda: GenerateClient(f"127.0.0.1:{server.http}").complete(
+        {**long_request(), "max_tokens": 200}))
+    running.start()
+    wait_for(lambda: metrics(server)["llm_running_sequences"] == 1, 30)
+    if protocol == "grpc":
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        client.start_stream(callback=lambda result, error: None)
+        client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**long_request(), "stream": True}))
+        wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 10)
+        client.stop_stream(cancel_requests=True)
+    else:
+        connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=60)
+        connection.request("POST", "/v2/models/ensemble/generate_stream",
+                           json.dumps({**long_request(), "stream": True}))
+        wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 10)
+        connection.sock.close()
+        connection.close()
+    dropped_after = wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 0, 10)
+    still_running = metrics(server)["llm_running_sequences"]
+    print(f"{protocol}: a waiting request left the queue {dropped_after:.3f} s after its client went away")
+    running.join()
+    if protocol == "grpc":
+        assert still_running == 1 and dropped_after < 1, "a cancelled gRPC stream leaves the queue at once"

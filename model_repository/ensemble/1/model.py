@@ -3,7 +3,8 @@
 
 `ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
 not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model send the llm model a
-cancel request for its sequence: Triton does not pass cancellation into composed models by itself."""
+cancel request for its sequence (at its next token, or within 0.1 s while it waits in the queue): Triton does not
+pass cancellation into composed models by itself."""
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backend.errors import InvalidRequestError, error_from_tagged
-from python_backend.frontend import USER_INPUTS, text_deltas
+from python_backend.frontend import USER_INPUTS, CancellationWatch, text_deltas
 from python_backend.model_files import resolve_model_dir
 from python_backend.preprocessing import Preprocessor
 from python_backend.request_inputs import scalar
@@ -29,6 +30,8 @@ class TritonPythonModel:
         self.preprocessor = Preprocessor(self.tokenizer, params["apply_chat_template"].lower() == "true")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config(args))
         self.pool = ThreadPoolExecutor(int(params["max_concurrent_requests"]), thread_name_prefix="front")
+        self.cancellations = CancellationWatch(_cancel)
+        self.cancellations.start()
 
     def execute(self, requests):
         for request in requests:
@@ -41,16 +44,17 @@ class TritonPythonModel:
         return None
 
     def _serve(self, inputs, sender):
+        key = uuid.uuid4().hex
         try:
             stream = bool(scalar(inputs.get, "stream", False))
             if stream and not self.decoupled:
                 raise InvalidRequestError("stream=true needs the decoupled model 'ensemble' "
                                           "(gRPC streaming or /generate_stream)")
-            key = uuid.uuid4().hex
             llm_inputs = self.preprocessor.prepare(inputs.get)
+            self.cancellations.add(key, sender.is_cancelled)
             chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in llm_inputs.items()], key)
             for delta in text_deltas(chunks, self.tokenizer.decode, stream, sender.is_cancelled,
-                                     lambda: _cancel(key)):
+                                     lambda: self.cancellations.cancel(key)):
                 outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
                            pb_utils.Tensor("output_token_count", np.array([[delta.token_count]], np.int32))]
                 sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if delta.finished else 0)
@@ -59,6 +63,11 @@ class TritonPythonModel:
             sender.send(flags=FINAL)  # cancelled: close the stream without more data
         except Exception as error:
             sender.send(error_response(pb_utils, error), flags=FINAL)
+        finally:
+            self.cancellations.remove(key)
+
+    def finalize(self):
+        self.cancellations.stop()
 
 
 def _raise_for(response):
