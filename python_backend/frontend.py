@@ -72,7 +72,8 @@ class CancellationWatch:
             self._active[key] = is_cancelled
 
     def remove(self, key: str) -> None:
-        with self._lock:
+        """Call before the request's final response: a sender must not be asked anything after it."""
+        with self._lock:  # waits for a poll in progress, which may be asking this key's sender
             self._active.pop(key, None)
 
     def cancel(self, key: str) -> None:
@@ -83,10 +84,11 @@ class CancellationWatch:
 
     def poll(self) -> None:
         with self._lock:
-            active = list(self._active.items())
-        for key, is_cancelled in active:
-            if is_cancelled():
-                self.cancel(key)
+            gone = [key for key, is_cancelled in self._active.items() if is_cancelled()]
+            for key in gone:
+                del self._active[key]
+        for key in gone:
+            self.send_cancel(key)
 
     def start(self) -> None:
         def loop():

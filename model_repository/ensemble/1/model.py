@@ -45,6 +45,12 @@ class TritonPythonModel:
 
     def _serve(self, inputs, sender):
         key = uuid.uuid4().hex
+
+        def send(response=None, final=False):
+            if final:
+                self.cancellations.remove(key)  # before the final response, after which the sender is gone
+            sender.send(response, flags=FINAL if final else 0)
+
         try:
             stream = bool(scalar(inputs.get, "stream", False))
             if stream and not self.decoupled:
@@ -57,14 +63,12 @@ class TritonPythonModel:
                                      lambda: self.cancellations.cancel(key)):
                 outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
                            pb_utils.Tensor("output_token_count", np.array([[delta.token_count]], np.int32))]
-                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if delta.finished else 0)
+                send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.finished)
                 if delta.finished:
                     return
-            sender.send(flags=FINAL)  # cancelled: close the stream without more data
+            send(final=True)  # cancelled: close the stream without more data
         except Exception as error:
-            sender.send(error_response(pb_utils, error), flags=FINAL)
-        finally:
-            self.cancellations.remove(key)
+            send(error_response(pb_utils, error), final=True)
 
     def finalize(self):
         self.cancellations.stop()

@@ -60,7 +60,9 @@ class TritonPythonModel:
                     seq.key = key
                 seq.emit = _emitter(sender)
                 seq.on_error = _error_sender(sender, tag=key is not None)
-                seq.is_cancelled = sender.is_cancelled
+                # A direct client's cancel is polled at every step; a keyed request comes from the front model
+                # over BLS, which never sees a cancel (the front sends a cancel request instead).
+                seq.is_cancelled = sender.is_cancelled if key is None else None
                 self.engine.submit(seq)
             except Exception as error:
                 # Keyed requests come from the front model over BLS, which loses error codes: tag the message.
