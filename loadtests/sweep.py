@@ -32,6 +32,7 @@ from scripts.triton_server import PROJECT_ROOT, running_server
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 ENTRIES = {"StreamUser": "generate_stream", "GrpcStreamUser": "grpc_stream"}
+STOP_TIMEOUT_S = 60
 
 
 @dataclass
@@ -71,8 +72,11 @@ def run_locust(prefix: Path, user: str, concurrency: int, duration_s: float, htt
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), user, "--headless", "--only-summary",
                "-u", str(concurrency), "-r", str(concurrency), "-t", f"{duration_s:g}s", "--host", f"http://{http}",
                "--grpc-url", grpc, "--csv", str(prefix), "--max-tokens", max_tokens, "--prompts", str(prompts),
-               "--loglevel", "WARNING"]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=duration_s + 120)
+               # When the time is up, users finish the request they are waiting for, so that slow requests are
+               # measured instead of dropped (a cut-off cell would report only the requests fast enough to finish).
+               "--stop-timeout", str(STOP_TIMEOUT_S), "--loglevel", "WARNING"]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=duration_s + STOP_TIMEOUT_S + 120)
     if result.returncode not in (0, 1):  # 1: some requests failed; they are counted in the CSV
         raise RuntimeError(f"locust exited with {result.returncode}: {result.stderr[-2000:]}")
 
@@ -220,7 +224,7 @@ def report(cells: list[Cell], args, output: Path, wall_s: float) -> str:
         "# Sweep report", "",
         f"- machine: {machine()}",
         f"- workload: {args.prompts.name}, max_tokens {args.max_tokens}, Locust user {args.user}, "
-        f"{args.duration:g} s per cell, {len(cells)} cells in {wall_s / 60:.1f} min",
+        f"{args.duration:g} s of new requests per cell, {len(cells)} cells in {wall_s / 60:.1f} min",
         f"- latency budget: p95 request latency <= {args.latency_budget:g} s", "",
     ]
     if best:
@@ -243,9 +247,11 @@ def report(cells: list[Cell], args, output: Path, wall_s: float) -> str:
                      f"{c.output_tokens_per_s:.1f} | {c.latency_p50_s:.2f} / {c.latency_p95_s:.2f} / "
                      f"{c.latency_p99_s:.2f} | {c.ttft_p50_s:.2f} / {c.ttft_p95_s:.2f} | {c.itl_p50_s * 1000:.0f} | "
                      f"{c.triton_llm_queue_ms:.1f} | {c.engine_mean_batch_size:.1f} | {c.failures} |")
-    lines += ["", "Latency, TTFT and ITL percentiles are Locust's (its CSV rounds them to two significant digits); "
-              "output tokens/s counts every token the engine generated during the cell; the engine batch is the "
-              "mean number of sequences per decode step."]
+    lines += ["", "Latency, TTFT and ITL percentiles are Locust's (its CSV rounds them to two significant digits). "
+              f"Users start requests for {args.duration:g} s, then finish the one in flight, so slow requests are "
+              "counted too. Output tokens/s counts every token the engine generated from the cell's start to its "
+              "last answer; the engine batch is the mean number of sequences per decode step. One short run per "
+              "cell on a shared machine: differences of 10-20 % between neighbouring cells are noise."]
     text = "\n".join(lines) + "\n"
     (output / "report.md").write_text(text)
     return text
@@ -254,11 +260,12 @@ def report(cells: list[Cell], args, output: Path, wall_s: float) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch sizes 1,8; continuous and static; "
-                                                             "concurrency 8; 8 s per cell")
+                                                             "concurrency 8")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     parser.add_argument("--strategies", default="continuous,dynamic,static")
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds of load per cell")
+    parser.add_argument("--duration", type=float, default=6.0,
+                        help="seconds during which users start new requests, per cell")
     parser.add_argument("--user", default="StreamUser", choices=sorted(ENTRIES))
     parser.add_argument("--max-tokens", default="choice:16,32,64")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     cell_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     cells: list[Cell] = []
-    log(f"{total} cells, about {total * (args.duration + 4) / 60:.1f} min; starting tritonserver")
+    log(f"{total} cells, about {total * (args.duration + 8) / 60:.1f} min; starting tritonserver")
     with running_server(log_path=args.output / "server.log", explicit_models=SERVED_MODELS) as ports:
         for strategy in strategies:
             for batch_size in batch_sizes:
