@@ -1,0 +1,22 @@
+"""The Docker files cannot be built here (no Docker engine); these checks keep them in step with the project."""
+
+import re
+
+from scripts.triton_server import PROJECT_ROOT
+
+
+def pins(path):
+    return dict(re.findall(r"^([A-Za-z0-9_.\-\[\],]+)==(\S+)", path.read_text(), re.M))
+
+
+def test_serving_requirements_use_the_projects_pins():
+    serve, project = pins(PROJECT_ROOT / "docker" / "requirements-serve.txt"), pins(PROJECT_ROOT / "requirements.txt")
+    assert serve and all(project.get(name) == version for name, version in serve.items()), (serve, project)
+
+
+def test_dockerfile_copies_what_exists_and_points_at_the_model():
+    text = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
+    for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for path in source.split():
+            assert (PROJECT_ROOT / path).exists(), path
+    assert "ENV TRITON_LLM_MODEL_DIR=" in text and "--model-repository=/opt/triton-llm/model_repository" in text
