@@ -58,35 +58,47 @@ def text_deltas(
 
 
 class CancellationWatch:
-    """Tells the llm model about clients that went away, including those whose request still waits in its queue
-    (they get no token, so the per-token check in ``text_deltas`` never runs for them). Each key is cancelled once."""
+    """Tells the llm model about clients that went away while their request still waits in its queue: such a
+    request gets no token, so the per-token check in ``text_deltas`` cannot see it. Once a request has started
+    streaming, that per-token check takes over and the watch stops asking (each ask is a round trip to the
+    server). Each key is cancelled at most once."""
 
     def __init__(self, send_cancel: Callable[[str], None], interval_s: float = 0.1):
         self.send_cancel, self.interval_s = send_cancel, interval_s
-        self._active: dict[str, Callable[[], bool]] = {}
+        self._active: set[str] = set()  # cancellable, not yet cancelled
+        self._waiting: dict[str, Callable[[], bool]] = {}  # polled: no token yet
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     def add(self, key: str, is_cancelled: Callable[[], bool]) -> None:
         with self._lock:
-            self._active[key] = is_cancelled
+            self._active.add(key)
+            self._waiting[key] = is_cancelled
+
+    def started(self, key: str) -> None:
+        with self._lock:
+            self._waiting.pop(key, None)
 
     def remove(self, key: str) -> None:
         """Call before the request's final response: a sender must not be asked anything after it."""
         with self._lock:  # waits for a poll in progress, which may be asking this key's sender
-            self._active.pop(key, None)
+            self._active.discard(key)
+            self._waiting.pop(key, None)
 
     def cancel(self, key: str) -> None:
         with self._lock:
-            if self._active.pop(key, None) is None:
+            if key not in self._active:
                 return
+            self._active.discard(key)
+            self._waiting.pop(key, None)
         self.send_cancel(key)
 
     def poll(self) -> None:
         with self._lock:
-            gone = [key for key, is_cancelled in self._active.items() if is_cancelled()]
+            gone = [key for key, is_cancelled in self._waiting.items() if is_cancelled()]
             for key in gone:
-                del self._active[key]
+                self._active.discard(key)
+                del self._waiting[key]
         for key in gone:
             self.send_cancel(key)
 

@@ -16,6 +16,7 @@ class TritonMetricsObserver(EngineObserver):
         super().__init__()
         family = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
+        self._unreported_tokens = 0
 
         def make(name, description, kind, buckets=None):
             metric_family = family(name=name, description=description, kind=kind)
@@ -54,13 +55,16 @@ class TritonMetricsObserver(EngineObserver):
 
     def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
         super().on_tokens(sequence, count, now, first)
-        self.tokens.increment(count)
+        self._unreported_tokens += count  # one increment per step: each metric call is a round trip to the server
         if first:
             self.ttft.observe(now - sequence.arrival)
         elif sequence.last_token_at is not None:
             self.itl.observe((now - sequence.last_token_at) / count)
 
     def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
+        if self._unreported_tokens:
+            self.tokens.increment(self._unreported_tokens)
+            self._unreported_tokens = 0
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_bytes.set(kv_bytes)

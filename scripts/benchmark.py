@@ -1,6 +1,6 @@
 """Batching strategies side by side on one mixed workload, through the real server, with in-process baselines.
 
-    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 5 minutes on 2 cores)
+    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 4 minutes on 2 cores)
     python -m scripts.benchmark --requests 8 --skip-sequential
 
 Workload: N prompts of 5-60 tokens from loadtests/prompts.jsonl (English, Chinese, code, emoji; raw text, no chat
@@ -8,7 +8,8 @@ template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
 - onnxruntime loop, one at a time / one static batch of N: the same requests run in-process by this project's
   generation code with no server (the plain greedy loop with a KV cache);
 - server, one at a time: the requests sent sequentially through Triton (continuous strategy);
-- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy.
+- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy; the
+  median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 """
 
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--strategies", default="continuous,dynamic,static")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="concurrent runs per strategy; the table shows the median run by output tokens/s")
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip sending the requests one at a time through the server (slow)")
     parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
@@ -157,13 +160,17 @@ def main(argv: list[str] | None = None) -> int:
             reload_llm(http, max_batch_size=len(requests), batching_strategy=strategy,
                        static_batch_size=len(requests))
             through_server(requests[:2], grpc, concurrent=True)  # warm-up
-            before = padding_counters(ports.metrics, strategy)
-            results, wall = through_server(requests, grpc, concurrent=True)
-            after = padding_counters(ports.metrics, strategy)
-            padded, computed = after[0] - before[0], after[1] - before[1]
-            rows.append(server_row(f"server, {strategy}", results, wall, padded / computed if computed else None))
-            if [r.output_tokens for r in results] != lengths_alone:
-                log(f"WARNING: {strategy} produced different output lengths than the in-process run")
+            runs = []
+            for _ in range(args.repeats):
+                before = padding_counters(ports.metrics, strategy)
+                results, wall = through_server(requests, grpc, concurrent=True)
+                after = padding_counters(ports.metrics, strategy)
+                padded, computed = after[0] - before[0], after[1] - before[1]
+                runs.append(server_row(f"server, {strategy}", results, wall, padded / computed if computed else None))
+                if [r.output_tokens for r in results] != lengths_alone:
+                    log(f"WARNING: {strategy} produced different output lengths than the in-process run")
+            log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
+            rows.append(sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2])  # the median run
         if not args.skip_sequential:
             log("server: one at a time (continuous)")
             reload_llm(http, max_batch_size=len(requests), batching_strategy="continuous")

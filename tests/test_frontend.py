@@ -44,3 +44,15 @@ def test_the_watch_cancels_waiting_requests_once():
     gone["b"] = True
     watch.poll()
     assert sent == ["a"]
+
+
+def test_the_watch_stops_asking_once_a_request_streams_but_it_can_still_be_cancelled():
+    sent, asked = [], []
+    watch = CancellationWatch(sent.append)
+    watch.add("a", lambda: asked.append("a") or True)
+    watch.started("a")
+    watch.poll()
+    assert asked == [] and sent == []
+    watch.cancel("a")
+    watch.cancel("a")
+    assert sent == ["a"]

@@ -58,7 +58,8 @@ class TritonPythonModel:
                                           "(gRPC streaming or /generate_stream)")
             llm_inputs = self.preprocessor.prepare(inputs.get)
             self.cancellations.add(key, sender.is_cancelled)
-            chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in llm_inputs.items()], key)
+            chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in llm_inputs.items()], key,
+                                 on_first=lambda: self.cancellations.started(key))
             for delta in text_deltas(chunks, self.tokenizer.decode, stream, sender.is_cancelled,
                                      lambda: self.cancellations.cancel(key)):
                 outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
@@ -79,7 +80,7 @@ def _raise_for(response):
         raise error_from_tagged(response.error().message())
 
 
-def _llm_stream(tensors, key):
+def _llm_stream(tensors, key, on_first):
     key_tensor = pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_))
     request = pb_utils.InferenceRequest(
         model_name="llm", inputs=tensors + [key_tensor], requested_output_names=["output_ids", "finished"]
@@ -90,6 +91,9 @@ def _llm_stream(tensors, key):
         if ids is None:  # an empty closing response
             continue
         finished = bool(pb_utils.get_output_tensor_by_name(response, "finished").as_numpy().reshape(-1)[0])
+        if on_first is not None:
+            on_first()
+            on_first = None
         yield ids.as_numpy().reshape(-1).tolist(), finished
 
 
