@@ -44,17 +44,18 @@ def _arguments(parser):
     parser.add_argument("--workload-seed", type=int, default=None)
 
 
-_workload: Workload | None = None
+_workloads: dict[tuple, Workload] = {}
 
 
-@events.init.add_listener
-def _setup(environment, **_kwargs):
-    global _workload
-    options = environment.parsed_options
-    if options is None:  # used as a library
-        return
-    _workload = Workload(load_prompts(options.prompts), MaxTokens.parse(options.max_tokens),
-                         options.workload_seed, apply_chat_template=not options.raw_prompts)
+def _workload_for(environment) -> Workload:
+    """Built at first use, not at start-up: a distributed worker receives the master's options only when the
+    master tells it to spawn users."""
+    o = environment.parsed_options
+    key = (o.prompts, o.max_tokens, o.workload_seed, o.raw_prompts)
+    if key not in _workloads:
+        _workloads[key] = Workload(load_prompts(o.prompts), MaxTokens.parse(o.max_tokens), o.workload_seed,
+                                   apply_chat_template=not o.raw_prompts)
+    return _workloads[key]
 
 
 def _fire(environment, kind: str, name: str, seconds: float, length: int = 0, exception=None):
@@ -91,7 +92,7 @@ class GenerateUser(FastHttpUser):
 
     @task
     def generate(self):
-        request = _workload.next_request()
+        request = _workload_for(self.environment).next_request()
         with self.client.post(f"/v2/models/{MODEL}/generate", json=request, name="generate",
                               catch_response=True) as response:
             try:
@@ -118,7 +119,7 @@ class StreamUser(User):
     @task
     def generate_stream(self):
         timer = _StreamTimer(self.environment, "SSE", "generate_stream")
-        body = json.dumps({**_workload.next_request(), "stream": True})
+        body = json.dumps({**_workload_for(self.environment).next_request(), "stream": True})
         try:
             self.connection.request("POST", f"/v2/models/{MODEL}/generate_stream", body,
                                     {"Content-Type": "application/json"})
@@ -160,9 +161,8 @@ class GrpcStreamUser(User):
 
         timer = _StreamTimer(self.environment, "gRPC", "grpc_stream")
         try:
-            self.client.async_stream_infer(MODEL, triton_inputs(self.grpc, {**_workload.next_request(),
-                                                                            "stream": True}),
-                                           enable_empty_final_response=True)
+            request = {**_workload_for(self.environment).next_request(), "stream": True}
+            self.client.async_stream_infer(MODEL, triton_inputs(self.grpc, request), enable_empty_final_response=True)
             while True:
                 result, error = self.responses.get(timeout=600)
                 if error is not None:
