@@ -49,27 +49,22 @@ class QueueFullError(UnavailableError):
 
 
 class EngineObserver:
-    """Hooks for metrics; the defaults keep running totals (used by benchmarks and tests)."""
+    """Hooks for metrics; the defaults keep the padding totals (used by benchmarks and tests)."""
 
     def __init__(self):
-        self.steps = 0
         self.computed_tokens = 0
         self.padding_tokens = 0
-        self.output_tokens = 0
-        self.batch_sizes: list[int] = []
 
     def on_prefill(self, computed: int, padding: int) -> None:
         self.computed_tokens += computed
         self.padding_tokens += padding
 
     def on_decode(self, batch_size: int, dead_rows: int) -> None:
-        self.steps += 1
         self.computed_tokens += batch_size
         self.padding_tokens += dead_rows
-        self.batch_sizes.append(batch_size)
 
     def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
-        self.output_tokens += count
+        pass
 
     def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
         pass
