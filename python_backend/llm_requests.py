@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.request_inputs import TensorGetter, decode_stop_sequences, scalar
-from python_backend.sampling import SamplingParams, validate_sampling_values
+from python_backend.request_inputs import TensorGetter, decode_stop_sequences, sampling_values, scalar
+from python_backend.sampling import SamplingParams
 from python_backend.sequence import Sequence
 
 
@@ -15,18 +15,7 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], max_
     if ids is None or np.asarray(ids).size == 0:
         raise InvalidRequestError("input_ids is empty")
     prompt = [int(t) for t in np.asarray(ids).reshape(-1)]
-    max_tokens = scalar(get, "max_tokens")
-    if max_tokens is None:
-        raise InvalidRequestError("max_tokens is required")
-    seed = scalar(get, "seed")
-    values = {
-        "max_tokens": int(max_tokens),
-        "temperature": float(scalar(get, "temperature", 0.0)),
-        "top_k": int(scalar(get, "top_k", 0)),
-        "top_p": float(scalar(get, "top_p", 1.0)),
-        "repetition_penalty": float(scalar(get, "repetition_penalty", 1.0)),
-    }
-    validate_sampling_values(**values, seed=None if seed is None else int(seed))
+    values, seed = sampling_values(get)
     if len(prompt) >= max_context_length:
         raise InvalidRequestError(
             f"prompt is {len(prompt)} tokens, longer than the context length of {max_context_length} tokens"
@@ -39,7 +28,7 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], max_
     end_id = int(scalar(get, "end_id", -1))
     params = SamplingParams(
         **values,
-        seed=None if seed is None else int(seed),
+        seed=seed,
         stop_token_sequences=decode_stop_sequences(get("stop_words_ids")),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )

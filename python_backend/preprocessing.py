@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.request_inputs import TensorGetter, encode_stop_sequences, scalar, text_list
-from python_backend.sampling import validate_sampling_values
+from python_backend.request_inputs import TensorGetter, encode_stop_sequences, sampling_values, scalar, text_list
 from python_backend.tokenization import PromptTokenizer
 
 
@@ -23,18 +22,7 @@ class Preprocessor:
             raise InvalidRequestError("text_input is required")
         if not str(text).strip():
             raise InvalidRequestError("text_input is empty")
-        max_tokens = scalar(get, "max_tokens")
-        if max_tokens is None:
-            raise InvalidRequestError("max_tokens is required")
-        values = {
-            "max_tokens": int(max_tokens),
-            "temperature": float(scalar(get, "temperature", 0.0)),
-            "top_k": int(scalar(get, "top_k", 0)),
-            "top_p": float(scalar(get, "top_p", 1.0)),
-            "repetition_penalty": float(scalar(get, "repetition_penalty", 1.0)),
-        }
-        seed = scalar(get, "seed")
-        validate_sampling_values(**values, seed=None if seed is None else int(seed))
+        values, seed = sampling_values(get)
         chat = bool(scalar(get, "apply_chat_template", self.chat_template_by_default))
         end_id = scalar(get, "end_id")
         stop_words = [w for w in text_list(get, "stop_words") if w]
@@ -45,7 +33,7 @@ class Preprocessor:
             "top_k": np.asarray([values["top_k"]], np.int32),
             "top_p": np.asarray([values["top_p"]], np.float32),
             "repetition_penalty": np.asarray([values["repetition_penalty"]], np.float32),
-            "seed": np.asarray([np.random.randint(0, 2**63) if seed is None else int(seed)], np.uint64),
+            "seed": np.asarray([np.random.randint(0, 2**63) if seed is None else seed], np.uint64),
             "end_id": np.asarray([-1 if end_id is None else int(end_id)], np.int32),
             "stop_words_ids": encode_stop_sequences([self.tokenizer.encode_plain(w) for w in stop_words]),
         }

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
+from python_backend.sampling import validate_sampling_values
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 STOP_SEPARATOR = -1  # stop word token sequences travel as one flat INT32 tensor, separated by -1
@@ -35,6 +36,24 @@ def scalar(get: TensorGetter, name: str, default=None):
     if isinstance(value, (bytes, str, np.bytes_, np.str_)):
         return as_text(value, name)
     return value.item()
+
+
+def sampling_values(get: TensorGetter) -> tuple[dict, int | None]:
+    """max_tokens and the sampling inputs with their defaults, validated: (values, seed or None)."""
+    max_tokens = scalar(get, "max_tokens")
+    if max_tokens is None:
+        raise InvalidRequestError("max_tokens is required")
+    values = {
+        "max_tokens": int(max_tokens),
+        "temperature": float(scalar(get, "temperature", 0.0)),
+        "top_k": int(scalar(get, "top_k", 0)),
+        "top_p": float(scalar(get, "top_p", 1.0)),
+        "repetition_penalty": float(scalar(get, "repetition_penalty", 1.0)),
+    }
+    seed = scalar(get, "seed")
+    seed = None if seed is None else int(seed)
+    validate_sampling_values(**values, seed=seed)
+    return values, seed
 
 
 def text_list(get: TensorGetter, name: str) -> list[str]:
