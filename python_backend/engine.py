@@ -19,6 +19,9 @@ from python_backend.scheduler import Scheduler, SchedulerConfig, padded_cache_bo
 from python_backend.sequence import Sequence
 
 
+UNMATCHED_CANCEL_TTL_S = 60.0
+
+
 def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
     """Picks (and appends) each sequence's next token from its row of last-position logits."""
     tokens = np.empty(len(sequences), np.int64)
@@ -83,7 +86,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.batch: KVBatch | None = None
         self._next_tokens = np.zeros(0, np.int64)
-        self._cancelled: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # key -> when the cancel arrived
         self._admitting: list[Sequence] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -99,6 +102,10 @@ class Engine:
                 f"{self.config.kv_budget_tokens}"
             )
         with self._lock:
+            if self._cancelled.pop(sequence.key, None) is not None:  # its client left before it got here
+                sequence.finish_reason = "cancelled"
+                self._emit(sequence, time.monotonic())
+                return
             if len(self.waiting) >= self.config.max_queue_size:
                 raise QueueFullError(
                     f"the waiting queue is full ({self.config.max_queue_size} requests); retry later"
@@ -108,7 +115,7 @@ class Engine:
 
     def cancel(self, key: str) -> None:
         with self._lock:
-            self._cancelled.add(key)
+            self._cancelled[key] = time.monotonic()
             self._lock.notify()
 
     def start(self) -> None:
@@ -172,12 +179,15 @@ class Engine:
         for seq in list(self.waiting) + self.running:
             if seq.finished:
                 continue
-            if seq.key in self._cancelled or (seq.is_cancelled is not None and seq.is_cancelled()):
+            if self._cancelled.pop(seq.key, None) is not None or (seq.is_cancelled is not None and seq.is_cancelled()):
                 seq.finish_reason = "cancelled"
                 if seq in self.waiting:
                     self.waiting.remove(seq)
                 self._emit(seq, now)
-        self._cancelled.clear()  # an id that matched nothing had already finished
+        # A key that matched nothing either finished already or has not been submitted yet (a cancel can overtake
+        # its request); keep it a while for submit() to find.
+        for key in [k for k, at in self._cancelled.items() if now - at > UNMATCHED_CANCEL_TTL_S]:
+            del self._cancelled[key]
 
     def _prefill(self, sequences: list[Sequence]) -> None:
         for chunk in length_sorted_chunks(sequences):

@@ -236,3 +236,12 @@ def test_prefill_chunks_keep_padding_low_and_lose_no_sequence():
         padding = len(chunk) * longest - sum(len(s.prompt_ids) for s in chunk)
         assert padding <= 0.25 * len(chunk) * longest
     assert len(chunks) == 3  # (60, 58), (31, 30), (7, 6, 5)
+
+
+def test_a_cancel_that_overtakes_its_request_still_cancels_it(decoder, prompts):
+    eng = engine(decoder, strategy="continuous")
+    [seq], events = make(prompts[:1], [50])
+    eng.cancel(seq.key)
+    eng.step()  # the unmatched cancel is kept
+    eng.submit(seq)
+    assert seq.finish_reason == "cancelled" and not eng.waiting and events == [(seq.key, [], True)]
