@@ -15,6 +15,7 @@ import numpy as np
 from python_backend.errors import InvalidRequestError, UnavailableError
 from python_backend.kv_batch import KVBatch
 from python_backend.onnx_decoder import OnnxDecoder
+from python_backend.outbox import Outbox
 from python_backend.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
 from python_backend.sequence import Sequence
 
@@ -66,8 +67,8 @@ class EngineObserver:
         self.computed_tokens += batch_size
         self.padding_tokens += dead_rows
 
-    def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
-        pass
+    def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
+        """count tokens handed out to one sequence; ttft for its first, else itl: the mean gap per token."""
 
     def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
         pass
@@ -91,6 +92,7 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._outbox: Outbox | None = None  # set while running on a thread; else callbacks run in place
 
     # --- called from Triton's execute() threads ---
 
@@ -119,6 +121,7 @@ class Engine:
             self._lock.notify()
 
     def start(self) -> None:
+        self._outbox = Outbox("llm-responses")
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -128,6 +131,8 @@ class Engine:
             self._lock.notify()
         if self._thread:
             self._thread.join(timeout=10)
+        if self._outbox:
+            self._outbox.close()
 
     # --- the engine thread ---
 
@@ -151,7 +156,7 @@ class Engine:
             if not seq.final_sent:
                 seq.finish_reason, seq.final_sent = "error", True
                 if seq.on_error is not None:
-                    seq.on_error(seq, error)
+                    self._deliver(seq.on_error, seq, error)
         self.batch, self.running, self._admitting = None, [], []
         self._next_tokens = np.zeros(0, np.int64)
 
@@ -171,7 +176,7 @@ class Engine:
             self._decode()
         self._retire()
         kv_bytes = sum(t.nbytes for t in self.batch.past) if self.batch else 0
-        self.observer.on_state(len(self.running), len(self.waiting), kv_bytes)
+        self._deliver(self.observer.on_state, len(self.running), len(self.waiting), kv_bytes)
         return bool(admitted) or decoding
 
     def _apply_cancellations(self) -> None:
@@ -195,7 +200,7 @@ class Engine:
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> None:
         batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
-        self.observer.on_prefill(batch.size * batch.cache_len, padding)
+        self._deliver(self.observer.on_prefill, batch.size * batch.cache_len, padding)
         tokens = choose_next(sequences, logits)
         now = time.monotonic()
         for seq in sequences:
@@ -210,7 +215,7 @@ class Engine:
     def _decode(self) -> None:
         logits = self.batch.step(self.decoder, self._next_tokens)
         live = [row for row, s in enumerate(self.running) if not s.finished]
-        self.observer.on_decode(len(self.running), len(self.running) - len(live))
+        self._deliver(self.observer.on_decode, len(self.running), len(self.running) - len(live))
         chosen = choose_next([self.running[r] for r in live], logits[live])
         self._next_tokens[live] = chosen
         now = time.monotonic()
@@ -238,12 +243,21 @@ class Engine:
             return
         new = seq.take_emittable()
         if new:
-            self.observer.on_tokens(seq, len(new), now, first=seq.first_token_at is None)
-            seq.first_token_at = seq.first_token_at or now
+            if seq.first_token_at is None:
+                ttft, itl, seq.first_token_at = now - seq.arrival, None, now
+            else:
+                ttft, itl = None, (now - seq.last_token_at) / len(new)
             seq.last_token_at = now
+            self._deliver(self.observer.on_tokens, len(new), ttft, itl)
         seq.final_sent = seq.finished
         if (new or seq.finished) and seq.emit is not None:
-            seq.emit(seq, new, seq.finished)
+            self._deliver(seq.emit, seq, new, seq.finished)
+
+    def _deliver(self, callback, *args) -> None:
+        if self._outbox is None:
+            callback(*args)
+        else:
+            self._outbox.put(callback, *args)
 
 
 def generate(decoder: OnnxDecoder, sequences: list[Sequence], strategy: str = "dynamic") -> EngineObserver:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from python_backend.engine import EngineObserver
-from python_backend.sequence import Sequence
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -53,13 +52,12 @@ class TritonMetricsObserver(EngineObserver):
         if dead_rows:
             self.padding.increment(dead_rows)
 
-    def on_tokens(self, sequence: Sequence, count: int, now: float, first: bool) -> None:
-        super().on_tokens(sequence, count, now, first)
+    def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
         self._unreported_tokens += count  # one increment per step: each metric call is a round trip to the server
-        if first:
-            self.ttft.observe(now - sequence.arrival)
-        elif sequence.last_token_at is not None:
-            self.itl.observe((now - sequence.last_token_at) / count)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
 
     def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
         if self._unreported_tokens:

