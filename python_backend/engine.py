@@ -32,9 +32,14 @@ def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def length_sorted_chunks(sequences: list[Sequence], max_padding: float = 0.25) -> list[list[Sequence]]:
+# A padded position costs as much as a real one, and each extra chunk about as much as 14 positions (SmolLM2, 2 CPU
+# cores): prefilling the benchmark's 32 prompts took 0.83 s at 10 %, 0.93 s at 25 % and 1.03 s with no padding.
+PREFILL_MAX_PADDING = 0.10
+
+
+def length_sorted_chunks(sequences: list[Sequence], max_padding: float = PREFILL_MAX_PADDING) -> list[list[Sequence]]:
     """Splits a prefill into chunks of similar prompt length, so that left padding stays under ``max_padding``
-    of each chunk's computed positions. Fewer, larger chunks use the cores better; padding is pure waste."""
+    of each chunk's computed positions."""
     chunks: list[list[Sequence]] = []
     for seq in sorted(sequences, key=lambda s: len(s.prompt_ids), reverse=True):
         if chunks:

@@ -61,21 +61,27 @@ class KVBatch:
         mask = self.attention_mask[index]
         first_real = int(np.argmax(mask.any(axis=0))) if mask.size else 0
         self.attention_mask = mask[:, first_real:]
-        self.past = [np.ascontiguousarray(t[index, :, first_real:, :]) for t in self.past]
+        self.past = [np.take(t[:, :, first_real:, :], index, axis=0) for t in self.past]  # one copy, contiguous
         self.next_positions = self.next_positions[index]
 
     def extend(self, other: "KVBatch") -> None:
-        """Appends other's rows, left-padding whichever cache is shorter."""
+        """Appends other's rows, left-padding whichever cache is shorter (each tensor is copied once)."""
         length = max(self.cache_len, other.cache_len)
-        mine, theirs = _left_pad(self, length), _left_pad(other, length)
-        self.past = [np.concatenate([a, b], axis=0) for a, b in zip(mine[0], theirs[0])]
-        self.attention_mask = np.concatenate([mine[1], theirs[1]], axis=0)
+        self.past = [_stack_right_aligned(a, b, length) for a, b in zip(self.past, other.past)]
+        self.attention_mask = _stack_right_aligned(self.attention_mask, other.attention_mask, length)
         self.next_positions = np.concatenate([self.next_positions, other.next_positions])
 
 
-def _left_pad(batch: KVBatch, length: int) -> tuple[list[np.ndarray], np.ndarray]:
-    extra = length - batch.cache_len
-    if extra == 0:
-        return batch.past, batch.attention_mask
-    past = [np.pad(t, ((0, 0), (0, 0), (extra, 0), (0, 0))) for t in batch.past]
-    return past, np.pad(batch.attention_mask, ((0, 0), (extra, 0)))
+def _stack_right_aligned(top: np.ndarray, bottom: np.ndarray, length: int) -> np.ndarray:
+    """Rows of top then bottom, each right-aligned along axis 2 of a cache tensor (axis 1 of a mask), zeros
+    on the left."""
+    axis = 2 if top.ndim == 4 else 1
+    shape = list(top.shape)
+    shape[0], shape[axis] = top.shape[0] + bottom.shape[0], length
+    out = np.zeros(shape, top.dtype)
+    index = [slice(None)] * top.ndim
+    index[0], index[axis] = slice(0, top.shape[0]), slice(length - top.shape[axis], None)
+    out[tuple(index)] = top
+    index[0], index[axis] = slice(top.shape[0], None), slice(length - bottom.shape[axis], None)
+    out[tuple(index)] = bottom
+    return out

@@ -5,13 +5,14 @@
 
 Workload: N prompts of 5-60 tokens from loadtests/prompts.jsonl (English, Chinese, code, emoji; raw text, no chat
 template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
-- onnxruntime loop, one at a time / one static batch of N: the same requests run in-process by this project's
-  generation code with no server (the plain greedy loop with a KV cache);
-- onnxruntime loop, continuous: the server's engine run in-process on all N at once, no server: what serving
-  costs is the gap between this row and "server, continuous";
+- plain onnxruntime loop, one at a time / one static batch of N: the textbook greedy loop with a KV cache, no
+  engine and no server: left-pad the prompts to the longest, prefill once, decode every row until all have finished;
+- engine without server, static / continuous: the server's engine run in-process on all N at once. The static
+  strategy beats the plain loop only by prefilling in length-sorted chunks; what serving costs is the gap between
+  "engine without server, continuous" and "server, continuous";
 - server, one at a time: the requests sent sequentially through Triton (continuous strategy);
-- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy; the
-  median of --repeats runs (by output tokens/s), as are the batched in-process rows.
+- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy.
+Batched rows show the median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 """
 
@@ -74,6 +75,25 @@ def median_run(runs: list[Row]) -> Row:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
+def plain_static_batch(decoder, sequences) -> float:
+    """The textbook static batch, without the engine: left-pad every prompt to the longest, prefill once, then
+    decode the whole batch (finished rows included) until every row has finished. Greedy. Returns padding waste."""
+    from python_backend.kv_batch import KVBatch
+
+    batch, logits, wasted = KVBatch.prefill(decoder, [s.prompt_ids for s in sequences])
+    computed = batch.size * batch.cache_len
+    while True:
+        tokens = logits.argmax(-1)
+        for seq, token in zip(sequences, tokens):
+            if not seq.finished:
+                seq.append(int(token))
+        finished = sum(s.finished for s in sequences)
+        if finished == len(sequences):
+            return wasted / computed
+        logits = batch.step(decoder, tokens)
+        computed, wasted = computed + batch.size, wasted + finished
+
+
 def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
     from python_backend.engine import generate
     from python_backend.model_files import ONNX_FILE, ModelSettings
@@ -89,30 +109,36 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
         return [Sequence(prompt_ids=tokenizer.encode(r["text_input"], apply_chat_template=False),
                          params=SamplingParams(max_tokens=r["max_tokens"], end_ids=eos)) for r in requests]
 
-    generate(decoder, sequences()[:2])  # warm-up
+    plain_static_batch(decoder, sequences()[:2])  # warm-up
     rows = []
-    log(f"onnxruntime loop: {len(requests)} requests one at a time")
+    log(f"plain onnxruntime loop: {len(requests)} requests one at a time")
     seqs, started, latencies = sequences(), time.perf_counter(), []
     for seq in seqs:
         t = time.perf_counter()
-        generate(decoder, [seq])
+        plain_static_batch(decoder, [seq])
         latencies.append(time.perf_counter() - t)
-    rows.append(Row("onnxruntime loop, one at a time", sum(len(s.output_ids) for s in seqs),
+    rows.append(Row("plain onnxruntime loop, one at a time", sum(len(s.output_ids) for s in seqs),
                     time.perf_counter() - started, latency_p50=percentile(latencies, 50),
                     latency_p95=percentile(latencies, 95), padding_waste=0.0))
     lengths_alone = [len(s.output_ids) for s in seqs]
-    for strategy, name in (("static", f"static batch of {len(requests)}"), ("continuous", "continuous")):
-        log(f"onnxruntime loop: {name} ({strategy} strategy of the engine, no server), {repeats} runs")
+
+    def batched(name, run):
+        log(f"{name}: {repeats} runs")
         runs = []
         for _ in range(repeats):
             seqs, started = sequences(), time.perf_counter()
-            totals = generate(decoder, seqs, strategy=strategy)
+            waste = run(seqs)
             wall = time.perf_counter() - started
-            runs.append(Row(f"onnxruntime loop, {name}", sum(len(s.output_ids) for s in seqs), wall,
-                            padding_waste=totals.padding_waste()))
-            assert [len(s.output_ids) for s in seqs] == lengths_alone, "batching changed a greedy answer"
+            runs.append(Row(name, sum(len(s.output_ids) for s in seqs), wall, latency_p50=wall if "static" in name
+                            else None, latency_p95=wall if "static" in name else None, padding_waste=waste))
+            assert [len(s.output_ids) for s in seqs] == lengths_alone, f"{name} changed a greedy answer"
         log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
         rows.append(median_run(runs))
+
+    batched(f"plain onnxruntime loop, static batch of {len(requests)}", lambda seqs: plain_static_batch(decoder, seqs))
+    for strategy in ("static", "continuous"):
+        batched(f"engine without server, {strategy}",
+                lambda seqs, strategy=strategy: generate(decoder, seqs, strategy=strategy).padding_waste())
     # Raw decode: one step for a batch of N at past length 128.
     from python_backend.kv_batch import KVBatch
 
@@ -200,8 +226,8 @@ def print_table(rows: list[Row], raw_decode: float, n: int) -> None:
     def find(prefix):
         return next((r for r in rows if r.runner.startswith(prefix)), None)
 
-    one = find("server, one at a time") or find("onnxruntime loop, one at a time")
-    static = find("onnxruntime loop, static")
+    one = find("server, one at a time") or find("plain onnxruntime loop, one at a time")
+    static = find("plain onnxruntime loop, static")
 
     def fmt(value, pattern="{:.2f}"):
         return "-" if value is None else pattern.format(value)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from python_backend.engine import choose_next, generate
+from python_backend.engine import choose_next, generate, length_sorted_chunks
 from python_backend.kv_batch import KVBatch
 from python_backend.sampling import SamplingParams
 from python_backend.sequence import Sequence
@@ -44,7 +44,8 @@ def test_batched_greedy_equals_alone(decoder, prompts, alone):
     batch = sequences(prompts)
     totals = generate(decoder, batch)
     assert [s.output_ids for s in batch] == alone
-    assert totals.padding_tokens == len(prompts) * max(map(len, prompts)) - sum(map(len, prompts))
+    chunks = [[len(s.prompt_ids) for s in chunk] for chunk in length_sorted_chunks(batch)]
+    assert totals.padding_tokens == sum(len(c) * max(c) - sum(c) for c in chunks) > 0
 
 
 def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alone):
