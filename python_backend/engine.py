@@ -6,6 +6,7 @@ sequences. The Triton model only submits, cancels and turns emitted tokens into 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -98,6 +99,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._outbox: Outbox | None = None  # set while running on a thread; else callbacks run in place
+        self._reported_state: tuple[int, int, int] | None = None
 
     # --- called from Triton's execute() threads ---
 
@@ -131,11 +133,19 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops the loop; every request not finished yet gets a final error response."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         if self._thread:
             self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                print("[engine] the engine thread did not stop within 10 s", file=sys.stderr)
+                return
+        with self._lock:
+            self.running += list(self.waiting)
+            self.waiting.clear()
+        self._fail_all(UnavailableError("the model is shutting down"))
         if self._outbox:
             self._outbox.close()
 
@@ -181,7 +191,10 @@ class Engine:
             self._decode()
         self._retire()
         kv_bytes = sum(t.nbytes for t in self.batch.past) if self.batch else 0
-        self._deliver(self.observer.on_state, len(self.running), len(self.waiting), kv_bytes)
+        state = (len(self.running), len(self.waiting), kv_bytes)
+        if state != self._reported_state or admitted or decoding:
+            self._reported_state = state
+            self._deliver(self.observer.on_state, *state)
         return bool(admitted) or decoding
 
     def _apply_cancellations(self) -> None:

@@ -17,22 +17,30 @@ from typing import Callable
 class Outbox:
     def __init__(self, name: str = "outbox"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, callback: Callable, *args) -> None:
-        self._queue.put((callback, args))
+        if self._closed:  # nothing would run it any more: run it here rather than lose it
+            _run_one(callback, args)
+        else:
+            self._queue.put((callback, args))
 
     def close(self, timeout: float = 10.0) -> None:
-        """Runs what is queued, then stops."""
+        """Runs what is queued, then stops; later callbacks run on the caller's thread."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            callback, args = item
-            try:
-                callback(*args)
-            except Exception:  # noqa: BLE001 - one failed send (say, a client gone) must not stop the others
-                print(f"[outbox] {callback!r} failed:", file=sys.stderr)
-                traceback.print_exc()
+            _run_one(*item)
+
+
+def _run_one(callback: Callable, args: tuple) -> None:
+    try:
+        callback(*args)
+    except Exception:  # noqa: BLE001 - one failed send (say, a client gone) must not stop the others
+        print(f"[outbox] {callback!r} failed:", file=sys.stderr)
+        traceback.print_exc()

@@ -21,6 +21,8 @@ NAME = "grouped_eager"
 def grouped_query_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query [batch, heads, q_len, head_dim]; key/value [batch, kv_heads, kv_len, head_dim]; attention_mask
     additive, [batch, 1, q_len, >= kv_len]. Returns ([batch, q_len, heads, head_dim], probabilities)."""
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError(f"{NAME} attention has no logit soft-capping or attention sinks")
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads

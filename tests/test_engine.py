@@ -175,7 +175,7 @@ def test_stop_sequence_tail_is_held_back_until_decided(decoder, prompts, alone):
 
 def test_engine_thread_serves_submissions(decoder, prompts, alone):
     eng = engine(decoder, strategy="continuous")
-    seqs, _ = make(prompts)
+    seqs, events = make(prompts)
     eng.start()
     try:
         for seq in seqs:
@@ -187,6 +187,28 @@ def test_engine_thread_serves_submissions(decoder, prompts, alone):
     finally:
         eng.stop()
     assert [s.output_ids for s in seqs] == alone
+    # Delivered from the outbox thread: in order, each request's pieces add up, one final response, last.
+    for seq in seqs:
+        mine = [(ids, done) for key, ids, done in events if key == seq.key]
+        assert [i for ids, _ in mine for i in ids] == seq.output_ids
+        assert [done for _, done in mine] == [False] * (len(mine) - 1) + [True]
+
+
+def test_stopping_the_engine_answers_every_unfinished_request(decoder, prompts):
+    eng = engine(decoder, strategy="continuous", max_batch_size=1)
+    seqs, events = make(prompts, [200] * len(prompts))
+    errors = []
+    for seq in seqs:
+        seq.on_error = lambda s, error: errors.append((s.key, str(error)))
+    eng.start()
+    for seq in seqs:
+        eng.submit(seq)
+    time.sleep(0.3)
+    eng.stop()
+    # One at a time, so at stop some are still waiting (a short answer may have finished by EOS already).
+    finals = [key for key, _, done in events if done] + [key for key, _ in errors]
+    assert sorted(finals) == sorted(s.key for s in seqs), "every request ends with exactly one final response"
+    assert len(errors) >= 2 and all("shutting down" in message for _, message in errors)
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts, alone):

@@ -58,7 +58,7 @@ class TritonPythonModel:
                 seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.max_context)
                 if key is not None:
                     seq.key = key
-                seq.emit = _emitter(sender)
+                seq.emit = _emitter(sender, self.engine)
                 seq.on_error = _error_sender(sender, tag=key is not None)
                 # A direct client's cancel is polled at every step; a keyed request comes from the front model
                 # over BLS, which never sees a cancel (the front sends a cancel request instead).
@@ -80,10 +80,15 @@ def _outputs(ids, finished):
     ]
 
 
-def _emitter(sender):
+def _emitter(sender, engine):
     def emit(seq, new_ids, finished):
         response = pb_utils.InferenceResponse(output_tensors=_outputs(new_ids, finished))
-        sender.send(response, flags=FINAL if finished else 0)
+        try:
+            sender.send(response, flags=FINAL if finished else 0)
+        except Exception:
+            if not finished:
+                engine.cancel(seq.key)  # its client is gone: stop generating for nobody
+            raise
 
     return emit
 
