@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -171,6 +172,30 @@ def padding_counters(metrics_port: int, strategy: str) -> tuple[float, float]:
     return values.get("llm_padding_tokens_total", 0.0), values.get("llm_computed_tokens_total", 0.0)
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU time used so far by this process (the client) and by the server's processes, by name."""
+    import psutil
+
+    me = psutil.Process()
+    totals = {"benchmark client": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        try:
+            cmdline, times = child.cmdline(), child.cpu_times()
+        except psutil.Error:
+            continue
+        model = next((Path(a).parent.parent.name for a in cmdline if a.endswith("model.py")), None)
+        name = f"{model} model" if model else Path(cmdline[0]).name if cmdline else child.name()
+        totals[name] = totals.get(name, 0.0) + times.user + times.system
+    return totals
+
+
+def cpu_line(before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    used = {name: after[name] - before.get(name, 0.0) for name in after}
+    parts = [f"{name} {cpu:.1f} s" for name, cpu in sorted(used.items(), key=lambda kv: -kv[1]) if cpu >= 0.05]
+    return (f"  CPU in these runs: {', '.join(parts)}; {sum(used.values()):.1f} of "
+            f"{wall * os.cpu_count():.1f} CPU-seconds the machine had")
+
+
 def server_row(name: str, results: list[Completion], wall: float, waste: float | None) -> Row:
     ttft = [r.first_token_s for r in results if r.first_token_s is not None]
     latency = [r.latency_s for r in results]
@@ -199,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             reload_llm(http, max_batch_size=len(requests), batching_strategy=strategy,
                        static_batch_size=len(requests))
             through_server(requests[:2], grpc, concurrent=True)  # warm-up
-            runs = []
+            runs, cpu_before = [], cpu_seconds()
             for _ in range(args.repeats):
                 before = padding_counters(ports.metrics, strategy)
                 results, wall = through_server(requests, grpc, concurrent=True)
@@ -209,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 if [r.output_tokens for r in results] != lengths_alone:
                     log(f"WARNING: {strategy} produced different output lengths than the in-process run")
             log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
+            log(cpu_line(cpu_before, cpu_seconds(), sum(r.wall_s for r in runs)))
             rows.append(median_run(runs))
         if not args.skip_sequential:
             log("server: one at a time (continuous)")
