@@ -162,6 +162,16 @@ def best_within(cells: list[Cell], budget_s: float) -> Cell | None:
     return max(fitting, key=lambda c: c.output_tokens_per_s, default=None)
 
 
+def pareto_front(cells: list[Cell]) -> list[Cell]:
+    """The cells no other cell beats on both throughput and p95 latency, by rising throughput: the best
+    latency-throughput trade-offs, the curve worth drawing."""
+    front: list[Cell] = []
+    for cell in sorted(cells, key=lambda c: (-c.output_tokens_per_s, c.latency_p95_s)):
+        if not front or cell.latency_p95_s < front[-1].latency_p95_s:
+            front.append(cell)
+    return front[::-1]
+
+
 def plot(cells: list[Cell], output: Path) -> list[Path]:
     import matplotlib
 
@@ -200,15 +210,18 @@ def plot(cells: list[Cell], output: Path) -> list[Path]:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for strategy in strategies:
-        points = sorted((c for c in cells if c.strategy == strategy), key=lambda c: c.output_tokens_per_s)
-        axes.plot([c.output_tokens_per_s for c in points], [c.latency_p95_s for c in points], marker="o",
-                  linestyle="-", label=strategy)
-        for c in points:
+        points = [c for c in cells if c.strategy == strategy]
+        front = pareto_front(points)
+        line, = axes.plot([c.output_tokens_per_s for c in front], [c.latency_p95_s for c in front], marker="o",
+                          linestyle="-", label=f"{strategy} (best trade-offs)")
+        axes.scatter([c.output_tokens_per_s for c in points], [c.latency_p95_s for c in points], s=14,
+                     color=line.get_color(), alpha=0.35)
+        for c in front:
             axes.annotate(f"b{c.max_batch_size}/c{c.concurrency}", (c.output_tokens_per_s, c.latency_p95_s),
-                          fontsize=6, alpha=0.7)
+                          fontsize=6, alpha=0.8)
     axes.set_xlabel("output tokens/s")
     axes.set_ylabel("p95 request latency (s)")
-    axes.set_title("latency-throughput: every cell of the sweep")
+    axes.set_title("latency-throughput: all cells (dots), each strategy's Pareto front (line)")
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()

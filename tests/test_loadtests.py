@@ -28,6 +28,18 @@ def test_max_tokens_distributions():
             MaxTokens.parse(bad)
 
 
+def test_the_latency_throughput_curve_is_the_pareto_front():
+    from dataclasses import replace
+
+    from loadtests.sweep import Cell, pareto_front
+
+    base = Cell("continuous", 1, 1, 6, 10, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "")
+    cells = [replace(base, max_batch_size=b, output_tokens_per_s=tps, latency_p95_s=p95)
+             for b, tps, p95 in [(1, 40, 1.5), (2, 60, 6.0), (4, 80, 4.0), (8, 80, 5.0), (16, 120, 9.0), (32, 100, 12)]]
+    # (2: slower and later than 4), (8: as fast as 4 but later), (32: slower and later than 16) are dominated
+    assert [c.max_batch_size for c in pareto_front(cells)] == [1, 4, 16]
+
+
 def test_the_shipped_prompt_set_mixes_lengths_and_languages():
     rows = [json.loads(line) for line in (PROJECT_ROOT / "loadtests" / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) >= 40 and {"en", "zh", "code", "emoji"} <= {r["lang"] for r in rows}
