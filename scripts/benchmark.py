@@ -125,13 +125,13 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
 
     def batched(name, run):
         log(f"{name}: {repeats} runs")
+        # Only the plain loop hands every answer out at the end; the engine finishes each when it is done.
+        plain = name.startswith("plain")
         runs = []
         for _ in range(repeats):
             seqs, started = sequences(), time.perf_counter()
             waste = run(seqs)
             wall = time.perf_counter() - started
-            # Only the plain loop hands every answer out at the end; the engine finishes each when it is done.
-            plain = name.startswith("plain")
             runs.append(Row(name, sum(len(s.output_ids) for s in seqs), wall, latency_p50=wall if plain else None,
                             latency_p95=wall if plain else None, padding_waste=waste))
             assert [s.output_ids for s in seqs] == answers_alone, f"{name} changed a greedy answer"

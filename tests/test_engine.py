@@ -39,6 +39,14 @@ def alone(decoder, prompts):
     return answers
 
 
+def assert_each_stream_adds_up_and_ends_once(seqs, events):
+    """Each sequence's emitted pieces concatenate to its output, and exactly one piece, the last, is final."""
+    for seq in seqs:
+        pieces = [(ids, done) for key, ids, done in events if key == seq.key]
+        assert [i for ids, _ in pieces for i in ids] == seq.output_ids
+        assert [done for _, done in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
 def engine(decoder, **config):
     return Engine(decoder, SchedulerConfig(**{"kv_budget_tokens": 100000, **config}))
 
@@ -57,11 +65,7 @@ def test_continuous_batching_admits_at_every_step_and_changes_no_answer(decoder,
     while eng.step():
         pass
     assert [s.output_ids for s in seqs] == alone
-    # every sequence's emitted pieces add up to its output, and exactly one piece is final
-    for seq in seqs:
-        pieces = [e for e in events if e[0] == seq.key]
-        assert sum((ids for _, ids, _ in pieces), []) == seq.output_ids
-        assert [done for *_, done in pieces].count(True) == 1 and pieces[-1][2]
+    assert_each_stream_adds_up_and_ends_once(seqs, events)
 
 
 def test_finished_sequences_leave_the_batch_at_once(decoder, prompts):
@@ -187,11 +191,7 @@ def test_engine_thread_serves_submissions(decoder, prompts, alone):
     finally:
         eng.stop()
     assert [s.output_ids for s in seqs] == alone
-    # Delivered from the outbox thread: in order, each request's pieces add up, one final response, last.
-    for seq in seqs:
-        mine = [(ids, done) for key, ids, done in events if key == seq.key]
-        assert [i for ids, _ in mine for i in ids] == seq.output_ids
-        assert [done for _, done in mine] == [False] * (len(mine) - 1) + [True]
+    assert_each_stream_adds_up_and_ends_once(seqs, events)  # delivered from the outbox thread
 
 
 def test_stopping_the_engine_answers_every_unfinished_request(decoder, prompts):
