@@ -24,13 +24,24 @@ from python_backend.sequence import Sequence
 UNMATCHED_CANCEL_TTL_S = 60.0
 
 
-def choose_next(sequences: list[Sequence], logits: np.ndarray) -> np.ndarray:
-    """Picks (and appends) each sequence's next token from its row of last-position logits."""
-    tokens = np.empty(len(sequences), np.int64)
+Failures = list[tuple[Sequence, Exception]]
+
+
+def choose_next(sequences: list[Sequence], logits: np.ndarray) -> tuple[np.ndarray, Failures]:
+    """Picks (and appends) each sequence's next token from its row of last-position logits.
+
+    A sequence whose choice fails (its own sampling settings, say) is returned with its error instead, so that
+    only it fails; its row gets token 0, which nothing reads because the sequence leaves the batch."""
+    tokens = np.zeros(len(sequences), np.int64)
+    failed = []
     for row, seq in enumerate(sequences):
-        tokens[row] = seq.chooser.choose(logits[row], seq.output_ids)
+        try:
+            tokens[row] = seq.chooser.choose(logits[row], seq.output_ids)
+        except Exception as error:  # noqa: BLE001 - isolated to this sequence
+            failed.append((seq, error))
+            continue
         seq.append(int(tokens[row]))
-    return tokens
+    return tokens, failed
 
 
 # A padded position costs as much as a real one, and each extra chunk about as much as 14 positions (SmolLM2, 2 CPU
@@ -84,22 +95,25 @@ class EngineObserver:
 
 
 class Engine:
-    def __init__(self, decoder: OnnxDecoder, config: SchedulerConfig, observer: EngineObserver | None = None):
+    def __init__(self, decoder: OnnxDecoder, config: SchedulerConfig, observer: EngineObserver | None = None,
+                 outbox_capacity: int = 4096):
         self.decoder = decoder
         self.config = config
         self.scheduler = Scheduler(config)
         self.observer = observer or EngineObserver()
+        self.outbox_capacity = outbox_capacity
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt not computed yet
         self.running: list[Sequence] = []
         self.batch: KVBatch | None = None
         self._next_tokens = np.zeros(0, np.int64)
         self._cancelled: dict[str, float] = {}  # key -> when the cancel arrived
-        self._admitting: list[Sequence] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._outbox: Outbox | None = None  # set while running on a thread; else callbacks run in place
         self._reported_state: tuple[int, int, int] | None = None
+        self.last_progress = time.time()  # wall clock, read by the heartbeat
 
     # --- called from Triton's execute() threads ---
 
@@ -111,16 +125,17 @@ class Engine:
                 f"{self.config.kv_budget_tokens}"
             )
         with self._lock:
-            if self._cancelled.pop(sequence.key, None) is not None:  # its client left before it got here
-                sequence.finish_reason = "cancelled"
-                self._emit(sequence, time.monotonic())
-                return
-            if len(self.waiting) >= self.config.max_queue_size:
-                raise QueueFullError(
-                    f"the waiting queue is full ({self.config.max_queue_size} requests); retry later"
-                )
-            self.waiting.append(sequence)
-            self._lock.notify()
+            cancelled = self._cancelled.pop(sequence.key, None) is not None  # its client left before it got here
+            if not cancelled:
+                if len(self.waiting) >= self.config.max_queue_size:
+                    raise QueueFullError(
+                        f"the waiting queue is full ({self.config.max_queue_size} requests); retry later"
+                    )
+                self.waiting.append(sequence)
+                self._lock.notify()
+        if cancelled:
+            sequence.finish_reason = "cancelled"
+            self._emit(sequence)
 
     def cancel(self, key: str) -> None:
         with self._lock:
@@ -128,9 +143,18 @@ class Engine:
             self._lock.notify()
 
     def start(self) -> None:
-        self._outbox = Outbox("llm-responses")
+        self._outbox = Outbox("llm-responses", capacity=self.outbox_capacity)
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> dict:
+        """What the heartbeat reports: whether the loop runs, has work, and when it last made progress."""
+        return {"engine_alive": self.alive, "has_work": bool(self.running or self.prefilling or self.waiting),
+                "last_progress": self.last_progress}
 
     def stop(self) -> None:
         """Stops the loop; every request not finished yet gets a final error response."""
@@ -143,7 +167,7 @@ class Engine:
                 print("[engine] the engine thread did not stop within 10 s", file=sys.stderr)
                 return
         with self._lock:
-            self.running += list(self.waiting)
+            self.prefilling += list(self.waiting)
             self.waiting.clear()
         self._fail_all(UnavailableError("the model is shutting down"))
         if self._outbox:
@@ -154,75 +178,120 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self.running and not self.waiting:
-                    self._lock.wait()
+                while not self._stopping and not self.running and not self.prefilling and not self.waiting:
+                    self.last_progress = time.time()
+                    self._lock.wait(timeout=1.0)
                 if self._stopping:
                     return
-            try:
-                worked = self.step()
-            except Exception as error:  # noqa: BLE001 - the loop must survive; the requests get the error
-                self._fail_all(error)
-                continue
-            if not worked:
+            if not self.step():
                 time.sleep(0.002)  # only static batching waits here, for its batch to fill or time out
 
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        if not seq.final_sent:
+            seq.finish_reason, seq.final_sent = "error", True
+            if seq.on_error is not None:
+                self._deliver(seq.on_error, seq, error)
+
     def _fail_all(self, error: Exception) -> None:
-        for seq in self.running + self._admitting:
-            if not seq.final_sent:
-                seq.finish_reason, seq.final_sent = "error", True
-                if seq.on_error is not None:
-                    self._deliver(seq.on_error, seq, error)
-        self.batch, self.running, self._admitting = None, [], []
+        """An error that cannot be pinned on one request (a failed decode step): every request in the batch or
+        being prefilled ends with it at once; waiting ones are untouched."""
+        for seq in self.running + self.prefilling:
+            self._fail(seq, error)
+        self.batch, self.running, self.prefilling = None, [], []
         self._next_tokens = np.zeros(0, np.int64)
 
     def step(self) -> bool:
-        """One iteration; returns False when there was nothing to do yet."""
+        """One iteration; returns False when there was nothing to do yet. An error that escapes the per-sequence
+        handling (a failed decode step) fails the requests in the batch, and the engine goes on."""
+        try:
+            return self._step()
+        except Exception as error:  # noqa: BLE001 - the loop must survive; the requests get the error
+            print(f"[engine] step failed, failing {len(self.running) + len(self.prefilling)} requests: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            self._fail_all(error)
+            return True
+
+    def _step(self) -> bool:
         with self._lock:
-            self._apply_cancellations()
+            cancelled = self._apply_cancellations()
+            busy = self.running + self.prefilling
             admitted = self.scheduler.admit(
-                self.waiting, self.running, self.batch.cache_len if self.batch else 0, time.monotonic()
+                self.waiting, busy, self.batch.cache_len if self.batch else 0, time.monotonic()
             )
-        if admitted:
-            self._admitting = admitted
-            self._prefill(admitted)
-            self._admitting = []
-        decoding = any(not s.finished for s in self.running)
+            self.prefilling += admitted
+        for seq in cancelled:
+            self._emit(seq)
+        prefilled = self._prefill(self._take_prefill())
+        # A group (dynamic, static) decodes once all of it is prefilled; continuous decodes at every step.
+        decoding = (self.config.strategy == "continuous" or not self.prefilling) and any(
+            not s.finished for s in self.running)
         if decoding:
             self._decode()
         self._retire()
+        self.last_progress = time.time()
         kv_bytes = sum(t.nbytes for t in self.batch.past) if self.batch else 0
-        state = (len(self.running), len(self.waiting), kv_bytes)
-        if state != self._reported_state or admitted or decoding:
+        state = (len(self.running), len(self.waiting) + len(self.prefilling), kv_bytes)
+        if state != self._reported_state or prefilled or decoding:
             self._reported_state = state
             self._deliver(self.observer.on_state, *state)
-        return bool(admitted) or decoding
+        return bool(prefilled) or decoding or bool(cancelled)
 
-    def _apply_cancellations(self) -> None:
+    def _apply_cancellations(self) -> list[Sequence]:
+        """Marks cancelled sequences (under the lock); returns them, to be answered outside it."""
         now = time.monotonic()
-        for seq in list(self.waiting) + self.running:
+        cancelled = []
+        for seq in list(self.waiting) + self.prefilling + self.running:
             if seq.finished:
                 continue
             if self._cancelled.pop(seq.key, None) is not None or (seq.is_cancelled is not None and seq.is_cancelled()):
                 seq.finish_reason = "cancelled"
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
-                self._emit(seq, now)
+                cancelled.append(seq)
+        for seq in cancelled:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            elif seq in self.prefilling:
+                self.prefilling.remove(seq)
         # A key that matched nothing either finished already or has not been submitted yet (a cancel can overtake
         # its request); keep it a while for submit() to find.
         for key in [k for k, at in self._cancelled.items() if now - at > UNMATCHED_CANCEL_TTL_S]:
             del self._cancelled[key]
+        return cancelled
 
-    def _prefill(self, sequences: list[Sequence]) -> None:
+    def _take_prefill(self) -> list[Sequence]:
+        """The admitted sequences to prefill in this step: at most max_prefill_tokens prompt tokens (at least one
+        sequence), so that no strategy's step runs unbounded while cancellations and the decode wait."""
+        taken, tokens = [], 0
+        while self.prefilling:
+            size = len(self.prefilling[0].prompt_ids)
+            if taken and tokens + size > self.config.max_prefill_tokens:
+                break
+            taken.append(self.prefilling.pop(0))
+            tokens += size
+        return taken
+
+    def _prefill(self, sequences: list[Sequence]) -> list[Sequence]:
         for chunk in length_sorted_chunks(sequences):
-            self._prefill_chunk(chunk)
+            try:
+                self._prefill_chunk(chunk)
+            except Exception as error:  # noqa: BLE001 - find the culprit: each sequence alone
+                if len(chunk) == 1:
+                    self._fail(chunk[0], error)
+                    continue
+                for seq in chunk:
+                    try:
+                        self._prefill_chunk([seq])
+                    except Exception as single_error:  # noqa: BLE001
+                        self._fail(seq, single_error)
+        return sequences
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> None:
         batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
         self._deliver(self.observer.on_prefill, batch.size * batch.cache_len, padding)
-        tokens = choose_next(sequences, logits)
-        now = time.monotonic()
+        tokens, failed = choose_next(sequences, logits)
+        for seq, error in failed:
+            self._fail(seq, error)
         for seq in sequences:
-            self._emit(seq, now)
+            self._emit(seq)
         if self.batch is None:
             self.batch, self.running, self._next_tokens = batch, list(sequences), tokens
         else:
@@ -234,17 +303,18 @@ class Engine:
         logits = self.batch.step(self.decoder, self._next_tokens)
         live = [row for row, s in enumerate(self.running) if not s.finished]
         self._deliver(self.observer.on_decode, len(self.running), len(self.running) - len(live))
-        chosen = choose_next([self.running[r] for r in live], logits[live])
+        chosen, failed = choose_next([self.running[r] for r in live], logits[live])
+        for seq, error in failed:
+            self._fail(seq, error)
         self._next_tokens[live] = chosen
-        now = time.monotonic()
         for row in live:
-            self._emit(self.running[row], now)
+            self._emit(self.running[row])
 
     def _retire(self) -> None:
         """Frees the cache rows of finished sequences. Static batching keeps computing finished rows until the
-        last row ends (only a cancelled row leaves at once)."""
+        last row ends (only a cancelled or failed row leaves at once)."""
         if self.config.strategy == "static" and any(not s.finished for s in self.running):
-            keep = [row for row, s in enumerate(self.running) if s.finish_reason != "cancelled"]
+            keep = [row for row, s in enumerate(self.running) if s.finish_reason not in ("cancelled", "error")]
         else:
             keep = [row for row, s in enumerate(self.running) if not s.finished]
         if len(keep) == len(self.running):
@@ -256,20 +326,29 @@ class Engine:
         self.running = [self.running[r] for r in keep]
         self._next_tokens = self._next_tokens[keep]
 
-    def _emit(self, seq: Sequence, now: float) -> None:
+    def _emit(self, seq: Sequence) -> None:
         if seq.final_sent:
             return
         new = seq.take_emittable()
-        if new:
-            if seq.first_token_at is None:
-                ttft, itl, seq.first_token_at = now - seq.arrival, None, now
-            else:
-                ttft, itl = None, (now - seq.last_token_at) / len(new)
-            seq.last_token_at = now
-            self._deliver(self.observer.on_tokens, len(new), ttft, itl)
         seq.final_sent = seq.finished
-        if (new or seq.finished) and seq.emit is not None:
-            self._deliver(seq.emit, seq, new, seq.finished)
+        if new or seq.finished:
+            self._deliver(self._send, seq, new, seq.finished)
+
+    def _send(self, seq: Sequence, new: list[int], finished: bool) -> None:
+        """Runs on the outbox thread: hands the tokens out, then times them, so TTFT and inter-token latency
+        are measured when the response leaves, not when it was queued."""
+        try:
+            if seq.emit is not None:
+                seq.emit(seq, new, finished)
+        finally:
+            if new:
+                now = time.monotonic()
+                if seq.first_token_at is None:
+                    ttft, itl, seq.first_token_at = now - seq.arrival, None, now
+                else:
+                    ttft, itl = None, (now - seq.last_token_at) / len(new)
+                seq.last_token_at = now
+                self.observer.on_tokens(len(new), ttft, itl)
 
     def _deliver(self, callback, *args) -> None:
         if self._outbox is None:

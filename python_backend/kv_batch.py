@@ -11,6 +11,11 @@ import numpy as np
 
 from python_backend.onnx_decoder import OnnxDecoder
 
+# The real peak of KV-cache memory is twice the padded cache: a decode step holds the past and the new present
+# (one column longer) at once, select() the old and the kept rows, extend() both batches and the merged one.
+# The engine's budget divides by this, so that kv_cache_budget_mb bounds that peak, not the resting cache.
+KV_PEAK_FACTOR = 2
+
 
 class KVBatch:
     def __init__(self, past: list[np.ndarray], attention_mask: np.ndarray, next_positions: np.ndarray):

@@ -1,6 +1,8 @@
-"""Turning the LLM model's input tensors into a Sequence, checked against the model's context length."""
+"""Turning the LLM model's input tensors into a Sequence, checked against the model's vocabulary and context."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -10,26 +12,63 @@ from python_backend.sampling import SamplingParams
 from python_backend.sequence import Sequence
 
 
-def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], max_context_length: int) -> Sequence:
+@dataclass(frozen=True)
+class LlmLimits:
+    vocab_size: int
+    max_context_length: int  # prompt + max_tokens
+    max_stop_sequences: int = 16
+    max_stop_sequence_tokens: int = 64
+
+
+def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limits: LlmLimits) -> Sequence:
     ids = get("input_ids")
     if ids is None or np.asarray(ids).size == 0:
         raise InvalidRequestError("input_ids is empty")
-    prompt = [int(t) for t in np.asarray(ids).reshape(-1)]
-    values, seed = sampling_values(get)
-    if len(prompt) >= max_context_length:
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size >= limits.max_context_length:  # checked before the ids become a Python list
         raise InvalidRequestError(
-            f"prompt is {len(prompt)} tokens, longer than the context length of {max_context_length} tokens"
+            f"prompt is {ids.size} tokens, longer than the context length of {limits.max_context_length} tokens"
         )
-    if len(prompt) + values["max_tokens"] > max_context_length:
+    _check_token_ids(ids, "input_ids", limits.vocab_size)
+    prompt = ids.tolist()
+    values, seed = sampling_values(get)
+    if len(prompt) + values["max_tokens"] > limits.max_context_length:
         raise InvalidRequestError(
             f"max_tokens {values['max_tokens']} + prompt {len(prompt)} tokens exceeds the context length of "
-            f"{max_context_length} tokens (at most {max_context_length - len(prompt)} for this prompt)"
+            f"{limits.max_context_length} tokens (at most {limits.max_context_length - len(prompt)} for this prompt)"
         )
     end_id = int(scalar(get, "end_id", -1))
+    if end_id < -1 or end_id >= limits.vocab_size:
+        raise InvalidRequestError(f"end_id must be a token id in [0, {limits.vocab_size}) (or -1: the model's EOS), "
+                                  f"got {end_id}")
     params = SamplingParams(
         **values,
         seed=seed,
-        stop_token_sequences=decode_stop_sequences(get("stop_words_ids")),
+        stop_token_sequences=_stop_sequences(get, limits),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )
     return Sequence(prompt_ids=prompt, params=params)
+
+
+def _check_token_ids(ids: np.ndarray, name: str, vocab_size: int) -> None:
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise InvalidRequestError(f"{name} holds token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
+
+
+def _stop_sequences(get: TensorGetter, limits: LlmLimits) -> tuple[tuple[int, ...], ...]:
+    raw = get("stop_words_ids")
+    if raw is not None:
+        size = np.asarray(raw).size
+        most = limits.max_stop_sequences * (limits.max_stop_sequence_tokens + 1)
+        if size > most:
+            raise InvalidRequestError(f"stop_words_ids holds {size} values, more than the limit of {most}")
+    sequences = decode_stop_sequences(raw)
+    if len(sequences) > limits.max_stop_sequences:
+        raise InvalidRequestError(
+            f"stop_words_ids holds {len(sequences)} stop sequences, more than the limit of {limits.max_stop_sequences}")
+    for sequence in sequences:
+        if len(sequence) > limits.max_stop_sequence_tokens:
+            raise InvalidRequestError(f"a stop sequence of stop_words_ids is {len(sequence)} tokens, more than the "
+                                      f"limit of {limits.max_stop_sequence_tokens}")
+    return sequences

@@ -46,6 +46,7 @@ class OnnxDecoder:
             head_dim=int(first.shape[3]),
             dtype=np.dtype(_ORT_TO_NUMPY[first.type]),
         )
+        self.vocab_size = _vocab_size(self.session)
         self._past_names = [f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")]
         self._output_names = ["logits"] + [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")]
 
@@ -69,3 +70,16 @@ class OnnxDecoder:
         feed.update(zip(self._past_names, past))
         logits, *present = self.session.run(self._output_names, feed)
         return logits, present
+
+
+def _vocab_size(session: ort.InferenceSession) -> int:
+    """The logits' last dimension: fixed in the graphs we know; else found by one forward pass of one token."""
+    size = session.get_outputs()[0].shape[-1]
+    if isinstance(size, int):
+        return size
+    feed = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
+            "position_ids": np.zeros((1, 1), np.int64)}
+    for spec in session.get_inputs():
+        if spec.name not in feed:  # a past key/value: [batch 1, kv_heads, past 0, head_dim]
+            feed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), _ORT_TO_NUMPY[spec.type])
+    return int(session.run(["logits"], feed)[0].shape[-1])

@@ -3,7 +3,8 @@
 The engine hands it every response and metric update: in Triton each is a round trip to the server process, and
 made on the engine thread they delayed the next model step (the server ran ~13 % below the same engine
 in-process). From here they overlap the next step, which runs with the GIL released. One thread and one FIFO
-keep each request's responses in order, its final response last."""
+keep each request's responses in order, its final response last. The queue is bounded: when the server process
+cannot take responses as fast as the engine makes them, the engine waits instead of piling them up in memory."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Callable
 
 
 class Outbox:
-    def __init__(self, name: str = "outbox"):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, name: str = "outbox", capacity: int = 4096):
+        self._queue: queue.Queue = queue.Queue(maxsize=capacity)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -58,24 +58,29 @@ class TokenChooser:
 
     def choose(self, logits: np.ndarray, generated: list[int]) -> int:
         p = self.params
+        # float64: a tiny repetition_penalty or temperature divides fp32 logits past fp32's range (inf, then NaN).
+        logits = logits.astype(np.float64)
         if p.repetition_penalty != 1.0 and generated:
             logits = _apply_repetition_penalty(logits, generated, p.repetition_penalty)
+        if not np.isfinite(logits).all():
+            raise FloatingPointError("the logits are not finite")
         if p.greedy:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
+        scaled = logits / p.temperature
         if p.top_k:
             k = min(p.top_k, scaled.shape[-1])
             kth = np.partition(scaled, -k)[-k]
             scaled = np.where(scaled < kth, -np.inf, scaled)
         probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
+        if not np.isfinite(probs).all():
+            raise FloatingPointError(f"sampling at temperature {p.temperature} gave non-finite probabilities")
         if p.top_p < 1.0:
             probs = _top_p_filter(probs, p.top_p)
         return int(self._rng.choice(probs.shape[-1], p=probs))
 
 
 def _apply_repetition_penalty(logits: np.ndarray, generated: list[int], penalty: float) -> np.ndarray:
-    logits = logits.copy()
     ids = np.unique(np.asarray(generated))
     seen = logits[ids]
     logits[ids] = np.where(seen > 0, seen / penalty, seen * penalty)

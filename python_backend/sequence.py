@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from python_backend.sampling import SamplingParams, TokenChooser
 
-_keys = itertools.count()
-
-# emit(sequence, new_token_ids, finished): called by the engine thread whenever a sequence has tokens to hand out.
+# emit(sequence, new_token_ids, finished): called (from the engine's outbox thread) whenever a sequence has tokens to hand out.
 Emit = Callable[["Sequence", list[int], bool], None]
 
 
@@ -19,7 +17,8 @@ Emit = Callable[["Sequence", list[int], bool], None]
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    key: str = field(default_factory=lambda: f"seq-{next(_keys)}")
+    # Unguessable (128 bits): a cancel request names its sequence by key, so a client must not guess another's.
+    key: str = field(default_factory=lambda: secrets.token_hex(16))
     emit: Emit | None = field(default=None, repr=False)
     on_error: Callable[["Sequence", Exception], None] | None = field(default=None, repr=False)
     # Polled once per step: lets a direct (non-ensemble) client's cancelled stream free the sequence.

@@ -100,11 +100,11 @@ def test_static_waits_for_its_batch_then_keeps_finished_rows(decoder, prompts):
 
 
 def test_static_timeout_starts_a_partial_batch(decoder, prompts):
-    eng = engine(decoder, strategy="static", static_batch_size=8, static_timeout_s=0.05)
+    eng = engine(decoder, strategy="static", static_batch_size=8, static_timeout_s=60)
     [seq], _ = make(prompts[:1], [5])
     eng.submit(seq)
-    assert not eng.step()
-    time.sleep(0.06)
+    assert not eng.step(), "a partial batch waits for the timeout"
+    seq.arrival -= 61  # as if it had waited past the timeout (no sleeping: the machine's speed must not matter)
     assert eng.step() and len(eng.running) == 1
 
 
@@ -153,19 +153,32 @@ def test_cancel_of_a_waiting_sequence_and_the_is_cancelled_poll(decoder, prompts
     assert seqs[0].finish_reason == seqs[1].finish_reason == "cancelled" and not eng.waiting
 
 
-def test_kv_budget_bounds_the_batch_and_the_queue_is_bounded(decoder, prompts):
-    seqs, _ = make(prompts[:3], [10, 10, 10])
-    need_one = max(len(p) for p in prompts[:3]) + 10
-    eng = engine(decoder, strategy="continuous", kv_budget_tokens=2 * need_one, max_queue_size=1)
-    eng.submit(seqs[0])
+def test_the_kv_budget_holds_a_request_back_until_it_fits(decoder, prompts, alone):
+    seqs, _ = make(prompts[:2], MAX_TOKENS[:2])
+    need_first = len(prompts[0]) + MAX_TOKENS[0]
+    eng = engine(decoder, strategy="continuous", kv_budget_tokens=need_first + 1)
+    for seq in seqs:
+        eng.submit(seq)
     eng.step()
+    assert eng.running == [seqs[0]] and list(eng.waiting) == [seqs[1]], "the second does not fit beside the first"
+    while not seqs[0].finished:
+        assert list(eng.waiting) == [seqs[1]]
+        eng.step()
+    while eng.step():
+        assert eng.batch is None or eng.batch.size * eng.batch.cache_len <= need_first + 1
+    assert [s.output_ids for s in seqs] == alone[:2]
+
+
+def test_a_request_larger_than_the_budget_is_refused_and_the_queue_is_bounded(decoder, prompts):
+    seqs, _ = make([prompts[0]] * 3, [10, 10, 10])
+    need = len(prompts[0]) + 10
+    eng = engine(decoder, strategy="continuous", kv_budget_tokens=need, max_queue_size=2)
+    eng.submit(seqs[0])  # exactly the budget: accepted
     eng.submit(seqs[1])
     with pytest.raises(QueueFullError, match="queue is full"):
         eng.submit(seqs[2])
-    while eng.step():
-        assert eng.batch is None or eng.batch.size * eng.batch.cache_len <= 2 * need_one
-    too_big, _ = make(prompts[:1], [1000])
-    with pytest.raises(InvalidRequestError, match="more than the budget"):
+    too_big, _ = make(prompts[:1], [11])
+    with pytest.raises(InvalidRequestError, match=f"need {need + 1} KV-cache slots, more than the budget of {need}"):
         eng.submit(too_big[0])
 
 
@@ -263,3 +276,96 @@ def test_a_cancel_that_overtakes_its_request_still_cancels_it(decoder, prompts):
     eng.step()  # the unmatched cancel is kept
     eng.submit(seq)
     assert seq.finish_reason == "cancelled" and not eng.waiting and events == [(seq.key, [], True)]
+
+
+class FaultyDecoder:
+    """The real decoder, failing on purpose: a prefill whose prompts hold ``poison_token``, or the nth decode step."""
+
+    def __init__(self, decoder, poison_token=None, fail_decode_step=None):
+        self.decoder, self.poison_token, self.fail_decode_step = decoder, poison_token, fail_decode_step
+        self.cache_shape = decoder.cache_shape
+        self.decode_steps = 0
+        self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
+
+    def empty_cache(self, n):
+        return self.decoder.empty_cache(n)
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        if past[0].shape[2] == 0:
+            self.prefill_tokens.append(int(attention_mask.sum()))
+            if self.poison_token is not None and (input_ids == self.poison_token).any():
+                raise RuntimeError("poisoned prefill")
+        else:
+            self.decode_steps += 1
+            if self.decode_steps == self.fail_decode_step:
+                raise RuntimeError("decode step failed")
+        return self.decoder.forward(input_ids, attention_mask, position_ids, past)
+
+
+def run_to_end(eng, seqs):
+    for seq in seqs:
+        eng.submit(seq)
+    while eng.step():
+        pass
+
+
+def test_a_failing_prefill_is_retried_per_sequence_so_only_the_culprit_fails(decoder, prompts, alone):
+    poison = 7
+    seqs, events = make(prompts + [prompts[0][:-1] + [poison]], MAX_TOKENS + [8])
+    errors = []
+    for seq in seqs:
+        seq.on_error = lambda s, error: errors.append((s.key, str(error)))
+    faulty = FaultyDecoder(decoder, poison_token=poison)
+    run_to_end(Engine(faulty, SchedulerConfig(kv_budget_tokens=100000)), seqs)
+    assert errors == [(seqs[-1].key, "poisoned prefill")] and seqs[-1].finish_reason == "error"
+    assert [s.output_ids for s in seqs[:-1]] == alone, "the neighbours get exactly the tokens they get alone"
+    assert_each_stream_adds_up_and_ends_once(seqs[:-1], events)
+
+
+def test_a_failing_choice_fails_only_its_own_sequence(decoder, prompts, alone):
+    seqs, events = make(prompts + [prompts[1]], MAX_TOKENS + [10])
+    poisoned = seqs[-1]
+    errors = []
+    poisoned.on_error = lambda s, error: errors.append(str(error))
+    real_choose = poisoned.chooser.choose
+
+    def choose_then_fail(logits, generated):
+        if len(generated) == 2:
+            raise FloatingPointError("the logits are not finite")
+        return real_choose(logits, generated)
+
+    poisoned.chooser.choose = choose_then_fail
+    run_to_end(Engine(decoder, SchedulerConfig(kv_budget_tokens=100000)), seqs)
+    assert errors == ["the logits are not finite"] and len(poisoned.output_ids) == 2
+    assert [s.output_ids for s in seqs[:-1]] == alone
+    assert [done for key, _, done in events if key == poisoned.key] == [False] * len(
+        [1 for key, _, _ in events if key == poisoned.key]), "a failed sequence gets no final data response"
+
+
+def test_a_failing_decode_step_ends_every_running_request_at_once_and_the_next_ones_run(decoder, prompts, alone):
+    eng = Engine(FaultyDecoder(decoder, fail_decode_step=2), SchedulerConfig(kv_budget_tokens=100000))
+    seqs, _ = make(prompts[:3], MAX_TOKENS[:3])
+    errors = []
+    for seq in seqs:
+        seq.on_error = lambda s, error: errors.append(s.key)
+    for seq in seqs:
+        eng.submit(seq)
+    eng.step()
+    eng.step()  # the failing one: every running sequence gets its error now
+    assert sorted(errors) == sorted(s.key for s in seqs) and all(s.final_sent for s in seqs)
+    assert eng.running == [] and eng.batch is None
+    later, _ = make(prompts[:1], MAX_TOKENS[:1])
+    run_to_end(eng, later)
+    assert later[0].output_ids == alone[0]
+
+
+@pytest.mark.parametrize("strategy", ["continuous", "dynamic", "static"])
+def test_max_prefill_tokens_bounds_every_strategys_prefill_step(decoder, prompts, alone, strategy):
+    faulty = FaultyDecoder(decoder)
+    cap = max(len(p) for p in prompts)  # the longest prompt alone fits; any two together do not
+    eng = Engine(faulty, SchedulerConfig(strategy=strategy, kv_budget_tokens=100000, max_prefill_tokens=cap,
+                                         static_batch_size=len(prompts)))
+    seqs, _ = make(prompts)
+    run_to_end(eng, seqs)
+    assert [s.output_ids for s in seqs] == alone
+    assert len(faulty.prefill_tokens) >= 2 and max(faulty.prefill_tokens) <= cap, faulty.prefill_tokens

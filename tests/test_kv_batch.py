@@ -51,12 +51,12 @@ def test_batched_greedy_equals_alone(decoder, prompts, alone):
 def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alone):
     first, later = sequences(prompts[:2]), sequences(prompts[2:])
     batch, logits, _ = KVBatch.prefill(decoder, [s.prompt_ids for s in first])
-    tokens = choose_next(first, logits)
+    tokens, _ = choose_next(first, logits)
     for _ in range(3):
         logits = batch.step(decoder, tokens)
-        tokens = choose_next(first, logits)
+        tokens, _ = choose_next(first, logits)
     joining, join_logits, _ = KVBatch.prefill(decoder, [s.prompt_ids for s in later])
-    join_tokens = choose_next(later, join_logits)
+    join_tokens, _ = choose_next(later, join_logits)
     batch.extend(joining)
     running, tokens = first + later, np.concatenate([tokens, join_tokens])
     while running:
@@ -65,7 +65,7 @@ def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alon
             break
         batch.select(keep)
         running, tokens = [running[r] for r in keep], tokens[keep]
-        tokens = choose_next(running, batch.step(decoder, tokens))
+        tokens, _ = choose_next(running, batch.step(decoder, tokens))
     assert [s.output_ids for s in first + later] == alone
 
 

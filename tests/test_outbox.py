@@ -30,3 +30,21 @@ def test_after_close_a_callback_runs_in_place_instead_of_being_lost():
     outbox.close()
     outbox.put(seen.append, "late")
     assert seen == ["late"]
+
+
+def test_a_full_outbox_makes_the_producer_wait_instead_of_growing():
+    outbox, release, done = Outbox(capacity=2), threading.Event(), []
+    outbox.put(release.wait)  # the outbox thread blocks on this one
+
+    def produce():
+        for value in range(5):
+            outbox.put(done.append, value)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    producer.join(timeout=1.0)
+    assert producer.is_alive() and done == [], "the producer waits while 2 callbacks are queued"
+    release.set()
+    producer.join(timeout=30)
+    outbox.close()
+    assert done == list(range(5))

@@ -58,3 +58,17 @@ def test_same_seed_same_choices_and_different_seed_differs():
 def test_repetition_penalty_moves_greedy_off_a_seen_token():
     chooser = TokenChooser(SamplingParams(max_tokens=1, repetition_penalty=2.0))
     assert chooser.choose(LOGITS, generated=[1]) == 2  # 3.0 / 2 = 1.5 < 2.5
+
+
+@pytest.mark.parametrize("temperature, penalty", [(1.0, 1e-38), (1e-38, 1.0), (1.4e-45, 1e-38), (0.0, 1e-38)])
+def test_extreme_but_valid_settings_still_choose_a_token(temperature, penalty):
+    logits = np.array([38.5, 30.0, -20.0, 0.0], np.float32)  # fp32, as the model's: 38.5 / 1e-38 overflows fp32
+    params = SamplingParams(max_tokens=4, temperature=temperature, repetition_penalty=penalty, seed=0)
+    chosen = TokenChooser(params).choose(logits, generated=[0, 1])
+    assert 0 <= chosen < 4
+
+
+def test_non_finite_logits_are_an_error_not_a_nan_sample():
+    with pytest.raises(FloatingPointError, match="not finite"):
+        TokenChooser(SamplingParams(max_tokens=1, temperature=1.0, seed=0)).choose(
+            np.array([1.0, np.nan], np.float32), [])

@@ -9,7 +9,9 @@ import triton_python_backend_utils as pb_utils
 
 from python_backend.engine import Engine
 from python_backend.errors import InvalidRequestError
-from python_backend.llm_requests import sequence_from_inputs
+from python_backend.heartbeat import Heartbeat
+from python_backend.kv_batch import KV_PEAK_FACTOR
+from python_backend.llm_requests import LlmLimits, sequence_from_inputs
 from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
 from python_backend.onnx_decoder import OnnxDecoder
 from python_backend.request_inputs import scalar
@@ -25,13 +27,19 @@ class TritonPythonModel:
         params = parameters(args)
         model_dir = resolve_model_dir(params["model_dir"], args["model_repository"])
         self.settings = ModelSettings.load(model_dir)
-        self.max_context = min(int(params["max_context_length"]), self.settings.max_position_embeddings)
         decoder = OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"]))
+        self.limits = LlmLimits(
+            vocab_size=decoder.vocab_size,
+            max_context_length=min(int(params["max_context_length"]), self.settings.max_position_embeddings),
+            max_stop_sequences=int(params["max_stop_sequences"]),
+            max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
+        )
         max_batch_size = int(model_config(args)["max_batch_size"])
+        budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
         config = SchedulerConfig(
             strategy=params["batching_strategy"],
             max_batch_size=max_batch_size,
-            kv_budget_tokens=int(float(params["kv_cache_budget_mb"]) * 2**20) // decoder.cache_shape.bytes_per_token(),
+            kv_budget_tokens=budget_bytes // (KV_PEAK_FACTOR * decoder.cache_shape.bytes_per_token()),
             max_queue_size=int(params["max_queue_size"]),
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
@@ -39,8 +47,10 @@ class TritonPythonModel:
             length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
         )
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy})
-        self.engine = Engine(decoder, config, observer)
+        self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]))
         self.engine.start()
+        self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
+        self.heartbeat.start()
 
     def execute(self, requests):
         for request in requests:
@@ -55,7 +65,7 @@ class TritonPythonModel:
                     self.engine.cancel(key)
                     sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
                     continue
-                seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.max_context)
+                seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.limits)
                 if key is not None:
                     seq.key = key
                 seq.emit = _emitter(sender, self.engine)
@@ -70,6 +80,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.heartbeat.stop()
         self.engine.stop()
 
 

@@ -1,0 +1,147 @@
+"""Liveness of the Python-backend model processes, seen from outside them.
+
+Triton does not notice when a Python stub process dies: its own readiness endpoints keep answering 200, and
+requests in flight through a dead stub never end. So each of this project's model instances writes a small
+heartbeat file (its pid, the time, and the engine's progress for the llm model) every half second, into a folder
+that belongs to one tritonserver process. The front model reads the llm model's heartbeat to fail its own requests
+at once when the llm process is gone; the supervisor (scripts/supervisor.py) reads all of them for readiness and
+recovery.
+
+A process that is gone (or a zombie) is dead at once; a heartbeat that stopped for ``stale_s`` although the process
+exists (stopped, or starved) and an engine that has work but made no progress for ``stall_s`` count as stalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+RUNTIME_DIR_ENV = "TRITON_LLM_RUNTIME_DIR"
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def runtime_dir(server_pid: int | None = None) -> Path:
+    """The heartbeat folder of one tritonserver. Inside a stub, the server is the parent process."""
+    base = os.environ.get(RUNTIME_DIR_ENV) or tempfile.gettempdir()
+    return Path(base) / f"triton-llm-{os.getppid() if server_pid is None else server_pid}"
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (a killed stub stays a zombie until Triton reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state not in ("Z", "X")
+
+
+class Heartbeat:
+    """Writes ``{instance}.json`` every interval from a thread of its own: {"pid", "time", **status()}."""
+
+    def __init__(self, instance: str, status: Callable[[], dict] = dict, folder: Path | None = None,
+                 interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.path = (folder or runtime_dir()) / f"{instance}.json"
+        self.status, self.interval_s = status, interval_s
+        self._stopped = threading.Event()
+
+    def beat(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"pid": os.getpid(), "time": time.time(), **self.status()}
+        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(record))
+        os.replace(temporary, self.path)  # readers never see half a file
+
+    def start(self) -> None:
+        self.beat()
+
+        def loop():
+            while not self._stopped.wait(self.interval_s):
+                try:
+                    self.beat()
+                except OSError as error:  # a full disk must not take the model down
+                    print(f"[heartbeat] {self.path}: {error}", flush=True)
+
+        threading.Thread(target=loop, name="heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+@dataclass(frozen=True)
+class InstanceHealth:
+    instance: str
+    pid: int
+    state: str  # "ok", "dead" or "stalled"
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+
+def judge(instance: str, record: dict, now: float, stale_s: float, stall_s: float,
+          alive: Callable[[int], bool] = process_alive) -> InstanceHealth:
+    pid = int(record["pid"])
+    if not alive(pid):
+        return InstanceHealth(instance, pid, "dead", f"process {pid} is gone")
+    if now - record["time"] > stale_s:
+        return InstanceHealth(instance, pid, "stalled", f"no heartbeat for {now - record['time']:.0f} s")
+    if record.get("engine_alive") is False:
+        return InstanceHealth(instance, pid, "stalled", "the engine thread has stopped")
+    progress = record.get("last_progress")
+    if record.get("has_work") and progress is not None and now - progress > stall_s:
+        return InstanceHealth(instance, pid, "stalled", f"the engine made no progress for {now - progress:.0f} s")
+    return InstanceHealth(instance, pid, "ok")
+
+
+def read_health(folder: Path, model: str | None = None, stale_s: float = 10.0, stall_s: float = 60.0,
+                now: float | None = None) -> list[InstanceHealth]:
+    """Health of every instance that wrote a heartbeat here (of one model: instance names start with it)."""
+    now = time.time() if now is None else now
+    health = []
+    for path in sorted(folder.glob("*.json")):
+        instance = path.stem
+        if model is not None and not _instance_of(instance, model):
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # replaced while read
+        health.append(judge(instance, record, now, stale_s, stall_s))
+    return health
+
+
+def _instance_of(instance: str, model: str) -> bool:
+    """Triton names instances <model>_<group>_<index>, e.g. llm_0_0."""
+    prefix, _, rest = instance.rpartition("_")
+    return rest.isdigit() and prefix.rpartition("_")[0] == model
+
+
+class PeerLiveness:
+    """Whether another model's processes are alive, for code that waits on them (cached for ``cache_s``).
+
+    No heartbeat at all means unknown (not loaded yet, or run by another tool): treated as alive."""
+
+    def __init__(self, model: str, folder: Path | None = None, cache_s: float = 0.25, stale_s: float = 30.0,
+                 stall_s: float = 120.0):
+        self.model, self.folder = model, folder or runtime_dir()
+        self.cache_s, self.stale_s, self.stall_s = cache_s, stale_s, stall_s
+        self._checked_at = 0.0
+        self._problem: str | None = None
+        self._lock = threading.Lock()
+
+    def problem(self) -> str | None:
+        """None while every instance is ok; else why not."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked_at >= self.cache_s:
+                bad = [h for h in read_health(self.folder, self.model, self.stale_s, self.stall_s) if not h.ok]
+                self._problem = "; ".join(f"{h.instance}: {h.reason}" for h in bad) or None
+                self._checked_at = now
+            return self._problem

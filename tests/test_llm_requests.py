@@ -1,0 +1,61 @@
+"""The llm model's own request checks (clients may call it directly with token ids)."""
+
+import numpy as np
+import pytest
+
+from python_backend.errors import InvalidRequestError
+from python_backend.llm_requests import LlmLimits, sequence_from_inputs
+from python_backend.sequence import Sequence
+from python_backend.sampling import SamplingParams
+
+LIMITS = LlmLimits(vocab_size=100, max_context_length=64, max_stop_sequences=2, max_stop_sequence_tokens=3)
+
+
+def llm_inputs(prompt_len, max_tokens, ids=None, **extra):
+    prompt = np.ones((1, prompt_len), np.int32) if ids is None else np.array([ids], np.int32)
+    arrays = {"input_ids": prompt, "max_tokens": np.array([[max_tokens]], np.int32)}
+    arrays.update({k: np.asarray(v if isinstance(v, list) else [[v]]) for k, v in extra.items()})
+    return lambda name: arrays.get(name)
+
+
+def test_llm_request_checks_the_context():
+    seq = sequence_from_inputs(llm_inputs(10, 20), (2,), LIMITS)
+    assert seq.params.max_tokens == 20 and seq.params.end_ids == (2,)
+    assert sequence_from_inputs(llm_inputs(10, 54), (2,), LIMITS).params.max_tokens == 54
+    with pytest.raises(InvalidRequestError, match="max_tokens 55 \\+ prompt 10 tokens exceeds the context length of 64"):
+        sequence_from_inputs(llm_inputs(10, 55), (2,), LIMITS)
+    assert len(sequence_from_inputs(llm_inputs(63, 1), (2,), LIMITS).prompt_ids) == 63
+    with pytest.raises(InvalidRequestError, match="prompt is 64 tokens, longer than the context length of 64"):
+        sequence_from_inputs(llm_inputs(64, 1), (2,), LIMITS)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    assert sequence_from_inputs(llm_inputs(0, 4, ids=[0, 99]), (2,), LIMITS).prompt_ids == [0, 99]
+    for bad in (100, -1, 2**31 - 1):
+        with pytest.raises(InvalidRequestError, match=f"input_ids holds token id {bad}, outside the vocabulary"):
+            sequence_from_inputs(llm_inputs(0, 4, ids=[5, bad]), (2,), LIMITS)
+
+
+def test_end_id_replaces_eos_and_is_checked():
+    assert sequence_from_inputs(llm_inputs(3, 4, end_id=9), (2,), LIMITS).params.end_ids == (9,)
+    assert sequence_from_inputs(llm_inputs(3, 4, end_id=-1), (2,), LIMITS).params.end_ids == (2,)
+    assert sequence_from_inputs(llm_inputs(3, 4, end_id=99), (2,), LIMITS).params.end_ids == (99,)
+    for bad in (-2, 100):
+        with pytest.raises(InvalidRequestError, match="end_id must be a token id in \\[0, 100\\)"):
+            sequence_from_inputs(llm_inputs(3, 4, end_id=bad), (2,), LIMITS)
+
+
+def test_stop_sequences_are_bounded_in_number_and_length():
+    ok = sequence_from_inputs(llm_inputs(3, 4, stop_words_ids=[[5, 6, 7, -1, 8, -1]]), (2,), LIMITS)
+    assert ok.params.stop_token_sequences == ((5, 6, 7), (8,))
+    with pytest.raises(InvalidRequestError, match="3 stop sequences, more than the limit of 2"):
+        sequence_from_inputs(llm_inputs(3, 4, stop_words_ids=[[5, -1, 6, -1, 7, -1]]), (2,), LIMITS)
+    with pytest.raises(InvalidRequestError, match="is 4 tokens, more than the limit of 3"):
+        sequence_from_inputs(llm_inputs(3, 4, stop_words_ids=[[5, 6, 7, 8, -1]]), (2,), LIMITS)
+    with pytest.raises(InvalidRequestError, match="holds 9 values, more than the limit of 8"):
+        sequence_from_inputs(llm_inputs(3, 4, stop_words_ids=[[5] * 9]), (2,), LIMITS)
+
+
+def test_request_keys_are_unguessable():
+    keys = {Sequence(prompt_ids=[1], params=SamplingParams(max_tokens=1)).key for _ in range(100)}
+    assert len(keys) == 100 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
