@@ -1,4 +1,9 @@
-"""Prompt encoding (with the model's own chat template) and output decoding, on the exported tokenizer files."""
+"""Prompt encoding (with the model's own chat template) and output decoding, on the exported tokenizer files.
+
+Chat prompts: the template's control tokens (``<|im_start|>``, ``<|im_end|>``, BOS, ...) are special tokens, but the
+same strings inside the user's text are encoded as plain text, so a user cannot open or close a turn.
+Raw prompts (no template requested, or the model has none): the text is encoded as the client wrote it, control
+tokens included, and the tokenizer's own configuration decides whether BOS/EOS are added."""
 
 from __future__ import annotations
 
@@ -17,10 +22,21 @@ class PromptTokenizer:
 
     def encode(self, text: str, apply_chat_template: bool) -> list[int]:
         if apply_chat_template and self.has_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        return list(self.tokenizer.encode(text, add_special_tokens=not apply_chat_template))
+            return self._encode_chat(text)
+        return self._encode_raw(text)
+
+    def _encode_chat(self, text: str) -> list[int]:
+        # sanitize_control_tokens: control tokens inside the message are encoded as text. Text without them is
+        # encoded exactly as the rendered template string would be. The template writes its own BOS if it wants one,
+        # so the tokenizer adds no special tokens here. Thread-safe: unlike `split_special_tokens=True`, it does not
+        # switch the shared Rust tokenizer's mode, which other requests' threads use at the same time.
+        return list(self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False,
+            sanitize_control_tokens=True,
+        ))
+
+    def _encode_raw(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of a fragment (a stop word), with no special tokens."""

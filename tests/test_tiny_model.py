@@ -1,0 +1,114 @@
+"""A model without a chat template, end to end: a tiny randomly initialised Llama whose tokenizer adds a BOS token,
+exported by `scripts.export_onnx` and served by a real tritonserver. Raw prompts must reach the model with the BOS,
+whether or not the request asks for the (missing) chat template."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from python_backend.model_files import MODEL_DIR_ENV
+from python_backend.tokenization import PromptTokenizer
+from scripts.llm_client import GenerateClient
+from scripts.triton_server import PROJECT_ROOT, running_server
+
+BOS = "<|endoftext|>"
+PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
+MAX_TOKENS = 16
+# The server stops at end_id and transformers at eos_token_id: the same id for both, so that EOS is handled alike
+# (the random model's own EOS, <|im_end|>, would otherwise stop one and not the other).
+END_ID = 49151
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
+    """A Hugging Face folder: 2-layer random Llama, SmolLM2's vocabulary, a tokenizer with BOS and no template."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, bos_token=BOS, add_bos_token=True)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        # Ten times the usual spread: large enough that the next token depends on the whole prompt, BOS included,
+        # and not only on the last token (which tied embeddings would otherwise repeat forever).
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("tiny_export")
+    command = [sys.executable, "-m", "scripts.export_onnx", "--source", str(tiny_model_dir), "--output", str(output)]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return output
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_export, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton_tiny") / "server.log"
+    with running_server(log_path=log, env={MODEL_DIR_ENV: str(tiny_export)}) as ports:
+        yield ports
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir, hf_tokenizer) -> dict[str, list[int]]:
+    """transformers' greedy generate() on `tokenizer(text)` ids, BOS included: {prompt: new ids without END_ID}."""
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    answers = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([hf_tokenizer(prompt).input_ids])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=END_ID, pad_token_id=hf_tokenizer.pad_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        answers[prompt] = new[: new.index(END_ID)] if END_ID in new else new
+    return answers
+
+
+def test_raw_prompts_start_with_the_bos_the_tokenizer_adds(tiny_model_dir, hf_tokenizer):
+    tokenizer = PromptTokenizer(tiny_model_dir)
+    assert not tokenizer.has_chat_template
+    for prompt in PROMPTS:
+        expected = hf_tokenizer(prompt).input_ids
+        assert expected[0] == hf_tokenizer.convert_tokens_to_ids(BOS) and expected.count(expected[0]) == 1
+        # No template to apply: a chat request is a raw prompt too.
+        assert tokenizer.encode(prompt, apply_chat_template=True) == expected
+        assert tokenizer.encode(prompt, apply_chat_template=False) == expected
+
+
+def test_the_export_records_no_chat_template_and_passes_parity(tiny_export):
+    import json
+
+    settings = json.loads((tiny_export / "llm_settings.json").read_text())
+    assert settings["chat_template"] is False and settings["max_position_embeddings"] == 256
+    assert json.loads((tiny_export / "parity_report.json").read_text())["passed"]
+
+
+@pytest.mark.parametrize("apply_chat_template", [None, True, False], ids=["default", "true", "false"])
+def test_served_greedy_output_equals_transformers_generate_on_ids_with_bos(
+    tiny_server, reference, hf_tokenizer, apply_chat_template
+):
+    client = GenerateClient(f"127.0.0.1:{tiny_server.http}")
+    for prompt in PROMPTS:
+        request = {"text_input": prompt, "max_tokens": MAX_TOKENS, "end_id": END_ID}
+        if apply_chat_template is not None:
+            request["apply_chat_template"] = apply_chat_template
+        completion = client.complete(request)
+        assert completion.output_tokens == len(reference[prompt]) == MAX_TOKENS, prompt
+        assert completion.text == hf_tokenizer.decode(reference[prompt], skip_special_tokens=True), prompt
