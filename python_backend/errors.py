@@ -23,4 +23,6 @@ def error_from_tagged(message: str) -> Exception:
     for tag, kind in _BY_TAG.items():
         if message.startswith(f"[{tag}] "):
             return kind(message[len(tag) + 3:])
+    if "Stub process" in message and "is not healthy" in message:  # Triton's words for a dead model process
+        return UnavailableError(f"the llm model is not running ({message}); retry in a few seconds")
     return RuntimeError(message)

@@ -137,10 +137,11 @@ class PeerLiveness:
         self._lock = threading.Lock()
 
     def problem(self) -> str | None:
-        """None while every instance is ok; else why not."""
+        """None while every instance is ok; else why not. Only "ok" is cached: a problem is looked at again at
+        every call, so that the first request after a recovery is not refused."""
         with self._lock:
             now = time.monotonic()
-            if now - self._checked_at >= self.cache_s:
+            if self._problem is not None or now - self._checked_at >= self.cache_s:
                 bad = [h for h in read_health(self.folder, self.model, self.stale_s, self.stall_s) if not h.ok]
                 self._problem = "; ".join(f"{h.instance}: {h.reason}" for h in bad) or None
                 self._checked_at = now

@@ -1,8 +1,11 @@
 """Start and stop the real `tritonserver` that PyPI's `nvidia-pytriton` wheel ships, on CPU.
 
-    python -m scripts.triton_server --http-port 8000 --grpc-port 8001 --metrics-port 8002
+    python -m scripts.triton_server --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003
 
-Used by `make serve` (foreground, stops on Ctrl-C / SIGTERM), the demo and the test fixtures.
+Used by `make serve` (foreground, stops on Ctrl-C / SIGTERM), the demo and the test fixtures. Run as a command it
+supervises the server (scripts/supervisor.py): readiness that sees dead model processes on the health port, and
+recovery without a person; `--no-supervise` runs tritonserver alone. `--tritonserver PATH` runs another build
+(NVIDIA's container) with its own backends and environment.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -81,12 +85,18 @@ def server_command(
     address: str = "127.0.0.1",
     explicit_models: list[str] | None = None,
     extra_args: list[str] = (),
+    binary: str | None = None,
 ) -> list[str]:
-    triton = _pytriton_dir()
-    command = [
-        str(triton / "bin" / "tritonserver"),
-        f"--model-repository={model_repository}",
-        f"--backend-directory={prepare_python_backend()}",
+    """binary: a tritonserver with its own backends (NVIDIA's container); None: the one in nvidia-pytriton."""
+    if binary:
+        command = [binary, f"--model-repository={model_repository}"]
+    else:
+        command = [
+            str(_pytriton_dir() / "bin" / "tritonserver"),
+            f"--model-repository={model_repository}",
+            f"--backend-directory={prepare_python_backend()}",
+        ]
+    command += [
         f"--http-address={address}",
         f"--grpc-address={address}",
         f"--metrics-address={address}",
@@ -155,6 +165,10 @@ def running_server(
             log.close()
 
 
+def all_models(model_repository: Path) -> list[str]:
+    return sorted(path.parent.name for path in Path(model_repository).glob("*/config.pbtxt"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run tritonserver in the foreground with this project's models.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
@@ -162,19 +176,60 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--health-port", type=int, default=8003, help="the supervisor's /health/ready and /health/live")
+    parser.add_argument("--no-supervise", action="store_true", help="run tritonserver alone: no recovery, no health port")
+    parser.add_argument("--tritonserver", help="path of another tritonserver build (default: nvidia-pytriton's)")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
     args = parser.parse_args(argv)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra)
-    process = subprocess.Popen(command, env=server_environment())
-
-    def forward(signum, _frame):
-        process.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    env = dict(os.environ) if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)
-    return process.wait()
+    if args.no_supervise:
+        command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
+                                 binary=args.tritonserver)
+        process = subprocess.Popen(command, env=env)
+        _on_stop_signal(lambda: process.send_signal(signal.SIGTERM))
+        return process.wait()
+    return _supervise(args, ports, env)
+
+
+def _supervise(args, ports: Ports, env: dict[str, str]) -> int:
+    from scripts.supervisor import Supervisor, python_models, serve_health
+
+    models = all_models(args.model_repository)
+    command = server_command(args.model_repository, ports, address=args.address, explicit_models=models,
+                             extra_args=args.extra, binary=args.tritonserver)
+    local = "127.0.0.1" if args.address in ("0.0.0.0", "::") else args.address
+    supervisor = Supervisor(lambda: subprocess.Popen(command, env=env), f"{local}:{ports.http}",
+                            python_models(args.model_repository))
+    stopped = threading.Event()
+    _on_stop_signal(stopped.set)
+    health = serve_health(supervisor, args.address, args.health_port)
+    print(f"supervisor: readiness at http://{args.address}:{args.health_port}/health/ready", flush=True)
+    failed = []
+
+    def run():
+        try:
+            supervisor.start()
+        except Exception as error:  # noqa: BLE001 - reported, and the command exits non-zero
+            print(f"supervisor: tritonserver did not start: {error}", flush=True)
+            failed.append(error)
+            stopped.set()
+            return
+        supervisor.run()
+
+    threading.Thread(target=run, name="supervisor", daemon=True).start()
+    stopped.wait()
+    code = supervisor.stop()
+    health.shutdown()
+    if failed:
+        return 1
+    return 0 if code in (0, None, -signal.SIGTERM) else code
+
+
+def _on_stop_signal(callback) -> None:
+    signal.signal(signal.SIGINT, lambda *_: callback())
+    signal.signal(signal.SIGTERM, lambda *_: callback())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,249 @@
+"""Keeps a tritonserver serving: readiness that sees dead model processes, and recovery without a person.
+
+Triton's own ``/v2/health/ready`` keeps answering 200 after a Python model's process dies, and Triton restarts no
+decoupled model by itself. The supervisor runs tritonserver in explicit model-control mode and reads the heartbeats
+the models write (python_backend/heartbeat.py) every ``check_interval_s``:
+
+- the ``llm`` model's process died or its engine stalled: reload ``llm`` through Triton's repository API (a new
+  process; the front model has already failed the requests that were in flight);
+- a front model's process died, the llm reload failed, or tritonserver exited: restart tritonserver (measured: the
+  requests in flight through a dead front process never end, and reloading it does not end them; a restart closes
+  their connections).
+
+``GET /health/ready`` on ``health_port`` answers 200 only while tritonserver is ready and every model process is
+alive and making progress, else 503; ``GET /health/live`` answers 200 while the supervisor runs; both return JSON
+with each instance's state and the recoveries so far."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+from python_backend.heartbeat import InstanceHealth, read_health, runtime_dir
+
+RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
+
+
+@dataclass
+class Recovery:
+    reason: str
+    action: str  # "reload llm" or "restart tritonserver"
+    started: float
+    took_s: float | None = None
+    ok: bool | None = None
+
+
+def python_models(model_repository: Path) -> list[str]:
+    """The repository's Python-backend models: each writes a heartbeat."""
+    return sorted(path.parent.name for path in model_repository.glob("*/config.pbtxt")
+                  if 'backend: "python"' in path.read_text())
+
+
+@dataclass
+class Supervisor:
+    start_server: Callable[[], subprocess.Popen]  # starts tritonserver in explicit mode with every model loaded
+    http_url: str  # host:port of tritonserver's HTTP endpoint
+    models: list[str]
+    check_interval_s: float = 0.5
+    ready_timeout_s: float = 300.0
+    recovery_timeout_s: float = 60.0
+    stale_s: float = 10.0  # a heartbeat older than this, from a live process: stalled (stopped or starved)
+    stall_s: float = 120.0  # an engine with work and no finished step for this long: stalled
+    restart_grace_s: float = 3.0  # SIGTERM, then SIGKILL after this long
+    log: Callable[[str], None] = lambda line: print(f"[supervisor] {line}", flush=True)
+    recoveries: list[Recovery] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.process: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._recovering = False
+        self._lock = threading.Lock()
+
+    # --- state ---
+
+    def heartbeat_dir(self) -> Path | None:
+        return runtime_dir(self.process.pid) if self.process else None
+
+    def instances(self) -> list[InstanceHealth]:
+        folder = self.heartbeat_dir()
+        if folder is None or not folder.is_dir():
+            return []
+        return read_health(folder, stale_s=self.stale_s, stall_s=self.stall_s)
+
+    def server_ready(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def health(self) -> dict:
+        instances = self.instances()
+        missing = [m for m in self.models if not any(_model_of(h.instance) == m for h in instances)]
+        server_ready = self.server_ready()
+        ready = server_ready and not self._recovering and not missing and all(h.ok for h in instances)
+        return {
+            "ready": ready,
+            "server_ready": server_ready,
+            "recovering": self._recovering,
+            "server_pid": self.process.pid if self.process else None,
+            "instances": {h.instance: {"pid": h.pid, "state": h.state, "reason": h.reason} for h in instances},
+            "missing_models": missing,
+            "recoveries": [asdict(r) for r in self.recoveries],
+        }
+
+    # --- actions ---
+
+    def start(self) -> None:
+        self.process = self.start_server()
+        self._wait_ready(self.ready_timeout_s)
+
+    def stop(self) -> int:
+        self._stopping.set()
+        with self._lock:
+            return _stop_process(self.process) if self.process else 0
+
+    def check(self) -> None:
+        """One look; recovers what it finds broken."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            if self.process.poll() is not None:
+                self._recover(f"tritonserver exited with code {self.process.returncode}", self._restart)
+                return
+            bad = [h for h in self.instances() if not h.ok]
+            if not bad:
+                return
+            reason = "; ".join(f"{h.instance} {h.state}: {h.reason}" for h in bad)
+            if all(_model_of(h.instance) == RELOADABLE for h in bad):
+                self._recover(reason, self._reload_llm)
+            else:
+                self._recover(reason, self._restart)
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.check_interval_s):
+            try:
+                self.check()
+            except Exception as error:  # noqa: BLE001 - the supervisor must outlive one failed check
+                self.log(f"check failed: {type(error).__name__}: {error}")
+
+    def _recover(self, reason: str, action: Callable[[], None]) -> None:
+        name = "reload llm" if action == self._reload_llm else "restart tritonserver"
+        recovery = Recovery(reason, name, time.time())
+        self.recoveries.append(recovery)
+        self._recovering = True
+        self.log(f"{reason}: {name}")
+        try:
+            action()
+            recovery.ok = True
+        except Exception as error:  # noqa: BLE001
+            self.log(f"{name} failed ({type(error).__name__}: {error}); restarting tritonserver")
+            recovery.action = f"{name}, then restart tritonserver"
+            self._restart()
+            recovery.ok = True
+        finally:
+            recovery.took_s = round(time.time() - recovery.started, 2)
+            self._recovering = False
+        self.log(f"recovered in {recovery.took_s} s ({recovery.action})")
+
+    def _reload_llm(self) -> None:
+        from scripts.model_control import reload_llm
+
+        dead = {h.pid for h in self.instances() if _model_of(h.instance) == RELOADABLE}
+        # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload.
+        reload_llm(self.http_url, supervisor_generation=len(self.recoveries))
+        deadline = time.monotonic() + self.recovery_timeout_s
+        while time.monotonic() < deadline:
+            llm = [h for h in self.instances() if _model_of(h.instance) == RELOADABLE]
+            if llm and all(h.ok and h.pid not in dead for h in llm) and self.server_ready():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"llm was not serving again within {self.recovery_timeout_s:.0f} s")
+
+    def _restart(self) -> None:
+        if self.process is not None:
+            stubs = _stubs_of(self.process.pid)
+            # Short grace: requests through a dead process never finish, and a graceful stop would wait on them.
+            _stop_process(self.process, timeout_s=self.restart_grace_s)
+            for pid, regions in stubs.items():  # a killed server can leave its stubs and their shared memory
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                for region in regions:
+                    Path("/dev/shm", region).unlink(missing_ok=True)
+        self.process = self.start_server()
+        self._wait_ready(self.ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            if self.server_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s")
+
+
+def _model_of(instance: str) -> str:
+    """llm_0_0 -> llm (Triton names instances <model>_<group>_<index>)."""
+    return instance.rsplit("_", 2)[0]
+
+
+def _stubs_of(server_pid: int) -> dict[int, list[str]]:
+    """A server's Python stub processes -> their shared-memory regions (each stub's command line names its own)."""
+    stubs = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            status = (cmdline.parent / "status").read_text()
+        except OSError:
+            continue
+        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+        if parent == str(server_pid) and args and args[0].endswith(b"triton_python_backend_stub"):
+            stubs[int(cmdline.parent.name)] = [a.decode() for a in args
+                                                if a.startswith(b"triton_python_backend_shm_region")]
+    return stubs
+
+
+def _stop_process(process: subprocess.Popen, timeout_s: float = 20) -> int:
+    from scripts.triton_server import stop
+
+    stop(process, timeout_s)
+    return process.returncode
+
+
+def serve_health(supervisor: Supervisor, address: str, port: int) -> ThreadingHTTPServer:
+    """GET /health/ready (200 or 503) and /health/live (200), each with the supervisor's JSON, on a thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the name http.server calls
+            if self.path not in ("/health/ready", "/health/live", "/health"):
+                self.send_error(404, "try /health/ready or /health/live")
+                return
+            state = supervisor.health()
+            status = 200 if self.path != "/health/ready" or state["ready"] else 503
+            body = json.dumps(state).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # probes every few seconds: keep the log for events
+            pass
+
+    server = ThreadingHTTPServer((address, port), Handler)
+    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+    return server

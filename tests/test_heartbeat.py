@@ -1,0 +1,57 @@
+"""Heartbeats: written atomically by a thread, judged dead by the process, stalled by the clock or the engine."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from python_backend.heartbeat import Heartbeat, PeerLiveness, judge, process_alive, read_health
+
+
+def test_a_heartbeat_is_written_and_read_back_as_ok(tmp_path):
+    beat = Heartbeat("llm_0_0", lambda: {"engine_alive": True, "has_work": False, "last_progress": time.time()},
+                     folder=tmp_path)
+    beat.start()
+    beat.stop()
+    record = json.loads((tmp_path / "llm_0_0.json").read_text())
+    assert record["pid"] == os.getpid() and record["engine_alive"] is True
+    [health] = read_health(tmp_path, "llm")
+    assert health.ok and health.instance == "llm_0_0"
+    assert read_health(tmp_path, "ensemble") == [], "instances are matched by model name"
+
+
+def test_a_gone_process_is_dead_at_once(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not process_alive(child.pid) and process_alive(os.getpid())
+    (tmp_path / "llm_0_0.json").write_text(json.dumps({"pid": child.pid, "time": time.time()}))
+    [health] = read_health(tmp_path, "llm")
+    assert health.state == "dead" and str(child.pid) in health.reason
+    assert "process" in PeerLiveness("llm", tmp_path).problem()
+
+
+def test_a_zombie_is_dead(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while process_alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
+        time.sleep(0.01)
+    assert not process_alive(child.pid)
+    child.wait()
+
+
+def test_stale_heartbeats_and_stuck_engines_are_stalled():
+    now = 1000.0
+    alive = lambda pid: True  # noqa: E731
+    assert judge("llm_0_0", {"pid": 1, "time": now - 11}, now, 10, 60, alive).state == "stalled"
+    assert judge("llm_0_0", {"pid": 1, "time": now - 9}, now, 10, 60, alive).ok
+    assert judge("llm_0_0", {"pid": 1, "time": now, "engine_alive": False}, now, 10, 60, alive).state == "stalled"
+    busy = {"pid": 1, "time": now, "engine_alive": True, "has_work": True}
+    assert judge("llm_0_0", {**busy, "last_progress": now - 61}, now, 10, 60, alive).state == "stalled"
+    assert judge("llm_0_0", {**busy, "last_progress": now - 59}, now, 10, 60, alive).ok
+    idle = {**busy, "has_work": False, "last_progress": now - 600}
+    assert judge("llm_0_0", idle, now, 10, 60, alive).ok, "an idle engine makes no progress and is fine"
+
+
+def test_no_heartbeat_means_unknown_which_is_not_a_problem(tmp_path):
+    assert PeerLiveness("llm", tmp_path / "missing").problem() is None

@@ -1,0 +1,154 @@
+"""Fault injection on a running, supervised server (`make serve`'s command): a model process is killed with
+SIGKILL (as the kernel's OOM killer would) while requests are in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from python_backend.model_files import MODEL_DIR_ENV
+from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
+from scripts.triton_server import Ports, server_environment
+
+PROMPT = {"text_input": "What is the capital of France?", "max_tokens": 16}
+LONG = {"text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": 49151}
+
+
+class Supervised:
+    def __init__(self, ports: Ports, health_port: int):
+        self.ports, self.health_port = ports, health_port
+
+    def health(self) -> tuple[int | None, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health/ready", timeout=5) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+        except OSError as error:
+            return None, {"error": str(error)}
+
+    def wait_ready(self, timeout_s: float, unless_pid: int | None = None) -> dict:
+        """Waits for 200 from /health/ready (with no instance of pid unless_pid); returns the health JSON."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status, body = self.health()
+            pids = {i["pid"] for i in body.get("instances", {}).values()}
+            if status == 200 and unless_pid not in pids:
+                return body
+            time.sleep(0.05)
+        raise AssertionError(f"not ready within {timeout_s} s: {self.health()}")
+
+    def answer(self) -> str:
+        return GrpcClient(f"127.0.0.1:{self.ports.grpc}", timeout_s=120).complete(PROMPT).text
+
+
+@pytest.fixture(scope="module")
+def supervised(model_dir, tmp_path_factory):
+    ports, health_port = Ports.free(), Ports.free().http
+    log = open(tmp_path_factory.mktemp("supervised") / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scripts.triton_server", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+         "--metrics-port", str(ports.metrics), "--health-port", str(health_port)],
+        env={**server_environment(), MODEL_DIR_ENV: str(model_dir)}, stdout=log, stderr=subprocess.STDOUT)
+    server = Supervised(ports, health_port)
+    try:
+        server.wait_ready(300)
+        yield server
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+        print(f"server log: {log.name}")
+
+
+def start_streams(server: Supervised, count: int):
+    """count long streaming requests, each running (first text received) when this returns; their outcomes fill
+    the returned dict: index -> (error message or None, seconds since `outcomes['killed_at']`)."""
+    started = [threading.Event() for _ in range(count)]
+    outcomes: dict = {}
+
+    def one(index):
+        try:
+            for _ in GrpcStreamClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120).stream(LONG):
+                started[index].set()
+            outcomes[index] = (None, time.monotonic() - outcomes["killed_at"])
+        except RequestError as error:
+            outcomes[index] = (str(error), time.monotonic() - outcomes.get("killed_at", time.monotonic()))
+        finally:
+            started[index].set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(120), "a request did not start"
+    return threads, outcomes
+
+
+def kill(pid: int, outcomes: dict) -> None:
+    outcomes["killed_at"] = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+
+
+def watch_readiness(server: Supervised, until_pid_gone: int, timeout_s: float) -> tuple[list, dict]:
+    """Polls /health/ready until it is 200 again without the killed pid; returns the statuses seen and the JSON."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status, body = server.health()
+        seen.append(status)
+        if status == 200 and until_pid_gone not in {i["pid"] for i in body["instances"].values()}:
+            return seen, body
+        time.sleep(0.05)
+    raise AssertionError(f"not ready again within {timeout_s} s: {server.health()}")
+
+
+def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(supervised):
+    before = supervised.answer()
+    _, health = supervised.health()
+    llm_pid = health["instances"]["llm_0_0"]["pid"]
+    threads, outcomes = start_streams(supervised, 8)
+    kill(llm_pid, outcomes)
+    seen, health = watch_readiness(supervised, llm_pid, timeout_s=60)
+    recovered_after = time.monotonic() - outcomes["killed_at"]
+    for thread in threads:
+        thread.join(30)
+    errors = [outcomes.get(i) for i in range(8)]
+    assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
+    assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
+    assert 503 in seen, "readiness turned not-ready while the llm process was dead"
+    assert health["recoveries"][-1]["action"] == "reload llm" and health["recoveries"][-1]["ok"]
+    assert supervised.answer() == before, "the same prompt is served exactly again"
+    print(f"llm killed: {len(errors)} requests failed within {max(e[1] for e in errors):.2f} s, "
+          f"ready again after {recovered_after:.1f} s")
+
+
+def test_a_killed_front_process_restarts_the_server(supervised):
+    before = supervised.answer()
+    _, health = supervised.health()
+    front_pid, server_pid = health["instances"]["ensemble_0_0"]["pid"], health["server_pid"]
+    threads, outcomes = start_streams(supervised, 4)
+    kill(front_pid, outcomes)
+    seen, health = watch_readiness(supervised, front_pid, timeout_s=120)
+    recovered_after = time.monotonic() - outcomes["killed_at"]
+    for thread in threads:
+        thread.join(30)
+    errors = [outcomes.get(i) for i in range(4)]
+    assert all(e is not None and e[0] for e in errors), errors
+    assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
+    assert 503 in seen or None in seen, "readiness turned not-ready while the front process was dead"
+    assert health["server_pid"] != server_pid and health["recoveries"][-1]["action"] == "restart tritonserver"
+    assert recovered_after < 60 and supervised.answer() == before
+    print(f"front killed: {len(errors)} requests ended within {max(e[1] for e in errors):.2f} s "
+          f"({errors[0][0][:80]}), ready again after {recovered_after:.1f} s")
