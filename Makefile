@@ -8,6 +8,7 @@ SOURCE ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+HEALTH_PORT ?= 8003
 ADDRESS ?= 127.0.0.1
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
@@ -31,9 +32,12 @@ model: venv
 demo: model
 	$(PY) -m scripts.demo
 
+# Supervised: readiness on $(HEALTH_PORT)/health/ready, a dead model process is reloaded or the server restarted.
+# SERVE_ARGS=--no-supervise runs tritonserver alone.
 serve: model
 	$(PY) -m scripts.triton_server --address $(ADDRESS) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--health-port $(HEALTH_PORT) $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)

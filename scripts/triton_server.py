@@ -169,7 +169,7 @@ def all_models(model_repository: Path) -> list[str]:
     return sorted(path.parent.name for path in Path(model_repository).glob("*/config.pbtxt"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run tritonserver in the foreground with this project's models.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--address", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -180,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-supervise", action="store_true", help="run tritonserver alone: no recovery, no health port")
     parser.add_argument("--tritonserver", help="path of another tritonserver build (default: nvidia-pytriton's)")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     env = dict(os.environ) if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)

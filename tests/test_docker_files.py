@@ -20,3 +20,16 @@ def test_dockerfile_copies_what_exists_and_points_at_the_model():
         for path in source.split():
             assert (PROJECT_ROOT / path).exists(), path
     assert "ENV TRITON_LLM_MODEL_DIR=" in text and "--model-repository=/opt/triton-llm/model_repository" in text
+
+
+def test_the_container_runs_the_supervisor_and_its_healthcheck_asks_it():
+    from scripts.triton_server import build_parser
+
+    text = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
+    command = re.search(r'^CMD \[(.+?)\]$', text, re.M | re.S).group(1)
+    args = [a.strip().strip('"') for a in command.replace("\\\n", " ").split(",")]
+    assert args[:3] == ["python3", "-m", "scripts.triton_server"]
+    health_port = args[args.index("--health-port") + 1]
+    assert f"127.0.0.1:{health_port}/health/ready" in text and f"EXPOSE 8000 8001 8002 {health_port}" in text
+    parsed = build_parser().parse_args(args[3:])  # an unknown flag would exit here
+    assert parsed.tritonserver and not parsed.no_supervise and parsed.address == "0.0.0.0"

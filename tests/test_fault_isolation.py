@@ -1,0 +1,110 @@
+"""One bad request among running neighbours, on the real server: it fails alone (or, validated away, runs
+harmlessly), and every neighbour gets exactly the tokens it gets alone."""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from scripts.llm_client import GrpcStreamClient
+
+NEIGHBOURS = ["What is the capital of France?", "Name three primary colors.", "用一句话介绍一下长城。",
+              "Write a Python function that reverses a string.", "Why do cats purr?", "Hi!", "What is 2+2?",
+              "Describe the sea in one sentence."]
+MAX_TOKENS = 24
+
+
+def llm_stream(server, inputs: dict) -> tuple[list[int], str | None]:
+    """One direct request to the decoupled llm model: (all generated ids, error message or None)."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = []
+    for name, (value, dtype, triton_type) in inputs.items():
+        array = np.array([value if isinstance(value, list) else [value]], dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    client.async_stream_infer("llm", tensors)
+    ids: list[int] = []
+    try:
+        while True:
+            result, error = responses.get(timeout=300)
+            if error is not None:
+                return ids, error.message()
+            ids += result.as_numpy("output_ids").reshape(-1).tolist()
+            if result.as_numpy("finished").reshape(-1)[0]:
+                return ids, None
+    finally:
+        client.stop_stream()
+
+
+def llm_request(prompt_ids, max_tokens=MAX_TOKENS, **sampling):
+    inputs = {"input_ids": (prompt_ids, np.int32, "INT32"), "max_tokens": (max_tokens, np.int32, "INT32")}
+    for name, value in sampling.items():
+        dtype, triton_type = {"seed": (np.uint64, "UINT64")}.get(name, (np.float32, "FP32"))
+        inputs[name] = (value, dtype, triton_type)
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def neighbours(tokenizer):
+    return [tokenizer.encode(p, apply_chat_template=True) for p in NEIGHBOURS]
+
+
+@pytest.fixture(scope="module")
+def alone(server, neighbours):
+    answers = []
+    for ids in neighbours:
+        out, error = llm_stream(server, llm_request(ids))
+        assert error is None, error
+        answers.append(out)
+    return answers
+
+
+POISONS = {
+    # Measured before the fix: with seeds 0 and 1 this hung the poisoned request and all 8 neighbours (the penalty
+    # overflowed fp32 logits to inf, then NaN probabilities). Now it samples like any other request.
+    "tiny repetition_penalty, seed 0": dict(temperature=1.0, repetition_penalty=1e-38, seed=0),
+    "tiny repetition_penalty, seed 1": dict(temperature=1.0, repetition_penalty=1e-38, seed=1),
+    "tiny temperature": dict(temperature=1e-38, seed=0),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS), ids=list(POISONS))
+def test_a_poisoned_request_among_8_changes_no_neighbours_tokens(server, neighbours, alone, poison):
+    poisoned = llm_request(neighbours[0], max_tokens=48, **POISONS[poison])
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(llm_stream, server, llm_request(ids)) for ids in neighbours]
+        bad = pool.submit(llm_stream, server, poisoned)
+        results = [f.result() for f in futures]
+        bad_ids, bad_error = bad.result()
+    assert [error for _, error in results] == [None] * 8
+    assert [ids for ids, _ in results] == alone, "each neighbour gets exactly its tokens alone"
+    assert bad_error is None and len(bad_ids) > 0, bad_error
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_and_neighbours_finish(server, neighbours, alone):
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(llm_stream, server, llm_request(ids)) for ids in neighbours]
+        bad = pool.submit(llm_stream, server, llm_request(neighbours[0][:-1] + [49152]))
+        results = [f.result() for f in futures]
+        _, bad_error = bad.result()
+    assert "input_ids holds token id 49152, outside the vocabulary [0, 49152)" in bad_error
+    assert [ids for ids, _ in results] == alone
+
+
+def test_the_front_model_answers_a_poisoned_request_and_its_neighbours(server):
+    client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
+    requests = [{"text_input": p, "max_tokens": MAX_TOKENS} for p in NEIGHBOURS]
+    alone_texts = [client.complete(r).text for r in requests]
+    poisoned = {"text_input": "Write a poem.", "max_tokens": 32, "temperature": 1.0, "repetition_penalty": 1e-38,
+                "seed": 0}
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(client.complete, r) for r in requests + [poisoned]]
+        results = [f.result() for f in futures]
+    assert [r.text for r in results[:8]] == alone_texts and results[8].output_tokens > 0
