@@ -1,11 +1,12 @@
 """What the user-facing models (`ensemble`, `ensemble_unary`) do with the llm model's token stream: incremental
-detokenization, streaming or one final answer, and cancellation that reaches the llm model."""
+detokenization, stop strings matched on the generated text, streaming or one final answer, and cancellation that
+reaches the llm model."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from python_backend.detokenizer import Decode, IncrementalDetokenizer
 
@@ -21,40 +22,91 @@ class Delta:
     finished: bool
 
 
+class StopStrings:
+    """Cuts the generated text just before the first occurrence of any stop string, wherever the token boundaries
+    fall. Text that could still turn out to begin a stop string (the longest suffix that is a prefix of one) is
+    held back until the next text decides it, so nothing sent ever has to be taken back."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = tuple(s for s in stop if s)
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Adds generated text; returns (the text now safe to send, whether a stop string was found). After a
+        match the text returned ends just before the stop string, and nothing more should be pushed."""
+        self.held += text
+        match = self._first_match()
+        if match is not None:
+            ready, self.held = self.held[:match], ""
+            return ready, True
+        cut = len(self.held) - self._longest_partial_match()
+        ready, self.held = self.held[:cut], self.held[cut:]
+        return ready, False
+
+    def flush(self) -> str:
+        """The held-back text, for the end of a generation that found no stop string."""
+        held, self.held = self.held, ""
+        return held
+
+    def _first_match(self) -> int | None:
+        found = [at for at in (self.held.find(s) for s in self.stop) if at >= 0]
+        return min(found, default=None)
+
+    def _longest_partial_match(self) -> int:
+        longest = max((len(s) for s in self.stop), default=0)
+        for length in range(min(len(self.held), longest - 1), 0, -1):
+            suffix = self.held[-length:]
+            if any(s.startswith(suffix) for s in self.stop):
+                return length
+        return 0
+
+
 def text_deltas(
     chunks: Iterable[tuple[list[int], bool]],
     decode: Decode,
     stream: bool,
     is_cancelled: Callable[[], bool] = lambda: False,
     cancel: Callable[[], None] = lambda: None,
+    stop: Sequence[str] = (),
 ) -> Iterator[Delta]:
-    """Turns (new token ids, finished) chunks into text.
+    """Turns (new token ids, finished) chunks into text, ended before the first stop string.
 
     stream: one Delta per chunk that completes some text (and always a final one); otherwise one final Delta.
-    When ``is_cancelled()`` turns true, ``cancel()`` is called once and nothing more is yielded; the remaining
-    chunks are still consumed, so the llm model's stream ends cleanly."""
+    ``token_count`` is the number of tokens consumed since the previous Delta.
+    When a stop string appears before the llm model has finished, ``cancel()`` is called once, then the final
+    Delta is yielded. When ``is_cancelled()`` turns true, ``cancel()`` is called once and nothing more is yielded.
+    Either way the remaining chunks are still consumed, so the llm model's stream ends cleanly."""
     detokenizer = IncrementalDetokenizer(decode)
-    pieces: list[str] = []
+    stops = StopStrings(stop)
+    pieces: list[str] = []  # text not yet yielded
     pending_tokens = 0
-    cancelled = False
+    answering = True  # false once the answer is complete or its client went away: the rest is only drained
     for ids, finished in chunks:
-        if not cancelled and is_cancelled():
+        if answering and is_cancelled():
             cancel()
-            cancelled = True
-        if cancelled:
-            continue
-        text = detokenizer.push(list(ids)) + (detokenizer.flush() if finished else "")
-        pending_tokens += len(ids)
-        if stream:
-            if text or finished:
-                yield Delta(text, pending_tokens, finished)
-                pending_tokens = 0
-        else:
+            answering = False
+        if answering:
+            pending_tokens += len(ids)
+            text, stopped = _sendable_text(detokenizer, stops, ids, finished)
             pieces.append(text)
-            if finished:
+            if stopped and not finished:
+                cancel()
+            if stopped or finished:
                 yield Delta("".join(pieces), pending_tokens, True)
+                answering = False
+            elif stream and text:
+                yield Delta("".join(pieces), pending_tokens, False)
+                pieces, pending_tokens = [], 0
         if finished:
             return
+
+
+def _sendable_text(detokenizer: IncrementalDetokenizer, stops: StopStrings, ids: list[int], finished: bool):
+    """(the chunk's text that can be sent now, whether it ended at a stop string)."""
+    text, stopped = stops.push(detokenizer.push(list(ids)) + (detokenizer.flush() if finished else ""))
+    if finished and not stopped:
+        text += stops.flush()
+    return text, stopped
 
 
 class CancellationWatch:

@@ -1,7 +1,10 @@
-"""The `preprocessing` model's job: validate the user-facing inputs, tokenize the prompt, and hand the LLM model
-a complete, typed set of generation inputs."""
+"""The front model's first job: validate the user-facing inputs, tokenize the prompt, and hand the LLM model a
+complete, typed set of generation inputs. Stop strings stay text: the front matches them on the generated text
+(``frontend.text_deltas``), since a stop string tokenized alone rarely has the ids the model generates for it."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -9,24 +12,39 @@ from python_backend.errors import InvalidRequestError
 from python_backend.request_inputs import TensorGetter, encode_stop_sequences, sampling_values, scalar, text_list
 from python_backend.tokenization import PromptTokenizer
 
+NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    llm_inputs: dict[str, np.ndarray]  # the llm model's inputs, without batch dimension
+    stop: tuple[str, ...]  # stop strings, matched on the generated text
+
 
 class Preprocessor:
-    def __init__(self, tokenizer: PromptTokenizer, chat_template_by_default: bool = True):
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        chat_template_by_default: bool = True,
+        *,
+        max_prompt_bytes: int = 65536,
+        max_stop_strings: int = 16,
+        max_stop_string_bytes: int = 256,
+    ):
         self.tokenizer = tokenizer
         self.chat_template_by_default = chat_template_by_default
+        self.max_prompt_bytes = max_prompt_bytes
+        self.max_stop_strings = max_stop_strings
+        self.max_stop_string_bytes = max_stop_string_bytes
 
-    def prepare(self, get: TensorGetter) -> dict[str, np.ndarray]:
-        """Returns the LLM model's inputs (without batch dimension) or raises InvalidRequestError."""
-        text = scalar(get, "text_input")
-        if text is None:
-            raise InvalidRequestError("text_input is required")
-        if not str(text).strip():
-            raise InvalidRequestError("text_input is empty")
+    def prepare(self, get: TensorGetter) -> PreparedRequest:
+        """Validates everything before tokenizing anything; raises InvalidRequestError naming the input."""
+        text = self._prompt(get)
+        stop = self._stop_strings(get)
         values, seed = sampling_values(get)
+        end_id = _end_id(get)
         chat = bool(scalar(get, "apply_chat_template", self.chat_template_by_default))
-        end_id = scalar(get, "end_id")
-        stop_words = [w for w in text_list(get, "stop_words") if w]
-        return {
+        llm_inputs = {
             "input_ids": np.asarray(self.tokenizer.encode(text, apply_chat_template=chat), np.int32),
             "max_tokens": np.asarray([values["max_tokens"]], np.int32),
             "temperature": np.asarray([values["temperature"]], np.float32),
@@ -34,6 +52,41 @@ class Preprocessor:
             "top_p": np.asarray([values["top_p"]], np.float32),
             "repetition_penalty": np.asarray([values["repetition_penalty"]], np.float32),
             "seed": np.asarray([np.random.randint(0, 2**63) if seed is None else seed], np.uint64),
-            "end_id": np.asarray([-1 if end_id is None else int(end_id)], np.int32),
-            "stop_words_ids": encode_stop_sequences([self.tokenizer.encode_plain(w) for w in stop_words]),
+            "end_id": np.asarray([end_id], np.int32),
+            "stop_words_ids": encode_stop_sequences([]),
         }
+        return PreparedRequest(llm_inputs, stop)
+
+    def _prompt(self, get: TensorGetter) -> str:
+        text = scalar(get, "text_input")
+        if text is None:
+            raise InvalidRequestError("text_input is required")
+        text = str(text)
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise InvalidRequestError(f"text_input is {size} bytes, more than the limit of {self.max_prompt_bytes}")
+        if not text.strip():
+            raise InvalidRequestError("text_input is empty")
+        return text
+
+    def _stop_strings(self, get: TensorGetter) -> tuple[str, ...]:
+        """The non-empty stop strings (empty ones are ignored)."""
+        stop = tuple(word for word in text_list(get, "stop_words") if word)
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"stop_words has {len(stop)} strings, more than the limit of {self.max_stop_strings}")
+        for word in stop:
+            size = len(word.encode("utf-8"))
+            if size > self.max_stop_string_bytes:
+                raise InvalidRequestError(f"stop_words has a string of {size} bytes, more than the limit of "
+                                          f"{self.max_stop_string_bytes}")
+        return stop
+
+
+def _end_id(get: TensorGetter) -> int:
+    end_id = scalar(get, "end_id")
+    if end_id is None:
+        return NO_END_ID
+    if int(end_id) < 0:
+        raise InvalidRequestError(f"end_id must be >= 0, got {end_id}")
+    return int(end_id)

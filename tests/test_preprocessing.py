@@ -1,10 +1,11 @@
+import re
+
 import numpy as np
 import pytest
 
 from python_backend.errors import InvalidRequestError
-from python_backend.llm_requests import sequence_from_inputs
 from python_backend.preprocessing import Preprocessor
-from python_backend.request_inputs import decode_stop_sequences
+from python_backend.request_inputs import STOP_SEPARATOR, decode_stop_sequences
 
 
 def inputs(**values):
@@ -21,17 +22,24 @@ def preprocessor(tokenizer):
 
 
 def test_chat_template_is_applied_by_default_and_can_be_turned_off(preprocessor, tokenizer):
-    chat = preprocessor.prepare(inputs(text_input="Hello", max_tokens=4))["input_ids"].tolist()
-    raw = preprocessor.prepare(inputs(text_input="Hello", max_tokens=4, apply_chat_template=False))["input_ids"]
-    assert "<|im_start|>user" in tokenizer.tokenizer.decode(chat)
-    assert tokenizer.decode(raw.tolist()) == "Hello"
+    def input_ids(**values):
+        return preprocessor.prepare(inputs(text_input="Hello", max_tokens=4, **values)).llm_inputs["input_ids"]
+
+    assert "<|im_start|>user" in tokenizer.tokenizer.decode(input_ids().tolist())
+    assert tokenizer.decode(input_ids(apply_chat_template=False).tolist()) == "Hello"
 
 
 def test_outputs_are_complete_and_typed(preprocessor):
-    out = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8, stop_words=["\n\n", "END"]))
+    out = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8)).llm_inputs
     assert out["input_ids"].dtype == np.int32 and out["max_tokens"].tolist() == [8]
     assert out["temperature"].tolist() == [0.0] and out["top_p"].tolist() == [1.0] and out["end_id"].tolist() == [-1]
-    assert len(decode_stop_sequences(out["stop_words_ids"])) == 2
+
+
+def test_stop_words_stay_text_for_the_front_and_are_not_sent_to_the_llm_as_ids(preprocessor):
+    prepared = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8, stop_words=["\n\n", "", "END"]))
+    assert prepared.stop == ("\n\n", "END")
+    assert prepared.llm_inputs["stop_words_ids"].tolist() == [STOP_SEPARATOR]
+    assert decode_stop_sequences(prepared.llm_inputs["stop_words_ids"]) == ()
 
 
 @pytest.mark.parametrize(
@@ -44,6 +52,7 @@ def test_outputs_are_complete_and_typed(preprocessor):
         ({"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
         ({"text_input": "Hi", "max_tokens": 4, "temperature": -1.0}, "temperature"),
         ({"text_input": "Hi", "max_tokens": 4, "top_p": 0.0}, "top_p"),
+        ({"text_input": "Hi", "max_tokens": 4, "end_id": -1}, "end_id must be >= 0"),
     ],
 )
 def test_bad_requests_name_the_input(preprocessor, values, message):
@@ -51,21 +60,49 @@ def test_bad_requests_name_the_input(preprocessor, values, message):
         preprocessor.prepare(inputs(**values))
 
 
-def llm_inputs(prompt_len, max_tokens, **extra):
-    arrays = {"input_ids": np.ones((1, prompt_len), np.int32), "max_tokens": np.array([[max_tokens]], np.int32)}
-    arrays.update({k: np.array([[v]]) for k, v in extra.items()})
-    return lambda name: arrays.get(name)
+class CountingTokenizer:
+    """Stands in for the tokenizer, to show that limits are checked before any tokenization."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def encode(self, text, apply_chat_template):
+        self.calls += 1
+        return self.tokenizer.encode(text, apply_chat_template)
 
 
-def test_llm_request_checks_the_context():
-    seq = sequence_from_inputs(llm_inputs(10, 20), eos_token_ids=(2,), max_context_length=64)
-    assert seq.params.max_tokens == 20 and seq.params.end_ids == (2,)
-    with pytest.raises(InvalidRequestError, match="max_tokens 60 \\+ prompt 10 tokens exceeds the context length of 64"):
-        sequence_from_inputs(llm_inputs(10, 60), eos_token_ids=(2,), max_context_length=64)
-    with pytest.raises(InvalidRequestError, match="prompt is 64 tokens, longer than the context length of 64"):
-        sequence_from_inputs(llm_inputs(64, 1), eos_token_ids=(2,), max_context_length=64)
+E_ACUTE = "\u00e9"  # two UTF-8 bytes: limits count bytes, not characters
 
 
-def test_llm_request_end_id_replaces_eos():
-    seq = sequence_from_inputs(llm_inputs(3, 4, end_id=9), eos_token_ids=(2,), max_context_length=64)
-    assert seq.params.end_ids == (9,)
+@pytest.mark.parametrize("largest_accepted, smallest_refused, message", [
+    ({"text_input": E_ACUTE * 32768},
+     {"text_input": E_ACUTE * 32768 + "a"},
+     "text_input is 65537 bytes, more than the limit of 65536"),
+    ({"stop_words": [f"w{i}" for i in range(16)] + [""]},
+     {"stop_words": [f"w{i}" for i in range(17)]},
+     "stop_words has 17 strings, more than the limit of 16"),
+    ({"stop_words": ["x", E_ACUTE * 128]},
+     {"stop_words": ["x", E_ACUTE * 128 + "a"]},
+     "stop_words has a string of 257 bytes, more than the limit of 256"),
+    ({"end_id": 0}, {"end_id": -1}, "end_id must be >= 0, got -1"),
+], ids=["text_input bytes", "stop_words count", "stop_words bytes", "end_id"])
+def test_limits_at_their_edges_are_checked_before_tokenizing(tokenizer, largest_accepted, smallest_refused, message):
+    counting = CountingTokenizer(tokenizer)
+    preprocessor = Preprocessor(counting)
+    request = {"text_input": "Hi", "max_tokens": 4}
+    preprocessor.prepare(inputs(**{**request, **largest_accepted}))
+    assert counting.calls == 1
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        preprocessor.prepare(inputs(**{**request, **smallest_refused}))
+    assert counting.calls == 1, "refused before tokenizing"
+
+
+def test_limits_are_constructor_arguments(tokenizer):
+    preprocessor = Preprocessor(tokenizer, max_prompt_bytes=4, max_stop_strings=1, max_stop_string_bytes=2)
+    assert preprocessor.prepare(inputs(text_input="Hiya", max_tokens=4, stop_words=["ab"])).stop == ("ab",)
+    for values, message in [({"text_input": "Hiyah"}, "text_input is 5 bytes, more than the limit of 4"),
+                            ({"stop_words": ["a", "b"]}, "stop_words has 2 strings, more than the limit of 1"),
+                            ({"stop_words": ["abc"]}, "stop_words has a string of 3 bytes, more than the limit of 2")]:
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
+            preprocessor.prepare(inputs(**{"text_input": "Hi", "max_tokens": 4, **values}))
+

@@ -126,13 +126,8 @@ def test_answer_is_the_same_alone_and_among_8_concurrent_requests_which_are_batc
     assert executions - executions_before < 8, "Triton's dynamic batcher did not group concurrent requests"
 
 
-def test_stop_words_and_seeded_sampling(server):
+def test_seeded_sampling_is_reproducible(server):
     client = GenerateClient(http_url(server))
-    free = client.complete({"text_input": "Count from 1 to 10, separated by commas.", "max_tokens": 40}).text
-    assert "4" in free
-    stopped = client.complete({"text_input": "Count from 1 to 10, separated by commas.", "max_tokens": 40,
-                               "stop_words": ["4"]}).text
-    assert free.startswith(stopped) and "4" not in stopped and len(stopped) < len(free)
     sampled = {"text_input": "Write a short poem about rain.", "max_tokens": 24, "temperature": 1.0, "top_p": 0.95}
     first = client.complete({**sampled, "seed": 123}).text
     assert client.complete({**sampled, "seed": 123}).text == first

@@ -1,19 +1,22 @@
 """The user-facing model: validate and tokenize (python_backend/preprocessing.py) → the llm model's token stream
-(a BLS call) → incremental detokenization → one answer, or a stream of text deltas.
+(a BLS call) → incremental detokenization and stop strings → one answer, or a stream of text deltas.
 
 `ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
 not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model send the llm model a
 cancel request for its sequence (at its next token, or within 0.1 s while it waits in the queue): Triton does not
-pass cancellation into composed models by itself."""
+pass cancellation into composed models by itself. When the llm model's process dies, the watchdog fails every
+request in flight at once (python_backend/front_requests.py)."""
 
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+import secrets
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backend.errors import InvalidRequestError, error_from_tagged
+from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
+from python_backend.front_requests import InFlight, Reply, Watchdog, llm_unavailable
 from python_backend.frontend import USER_INPUTS, CancellationWatch, text_deltas
+from python_backend.heartbeat import Heartbeat, PeerLiveness
 from python_backend.model_files import resolve_model_dir
 from python_backend.preprocessing import Preprocessor
 from python_backend.request_inputs import scalar
@@ -27,52 +30,82 @@ class TritonPythonModel:
     def initialize(self, args):
         params = parameters(args)
         self.tokenizer = PromptTokenizer(resolve_model_dir(params["model_dir"], args["model_repository"]))
-        self.preprocessor = Preprocessor(self.tokenizer, params["apply_chat_template"].lower() == "true")
+        self.preprocessor = Preprocessor(
+            self.tokenizer,
+            params["apply_chat_template"].lower() == "true",
+            max_prompt_bytes=int(params["max_prompt_bytes"]),
+            max_stop_strings=int(params["max_stop_strings"]),
+            max_stop_string_bytes=int(params["max_stop_string_bytes"]),
+        )
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config(args))
-        self.pool = ThreadPoolExecutor(int(params["max_concurrent_requests"]), thread_name_prefix="front")
+        self.in_flight = InFlight(int(params["max_concurrent_requests"]))
         self.cancellations = CancellationWatch(_cancel)
         self.cancellations.start()
+        self.llm = PeerLiveness("llm")
+        self.watchdog = Watchdog(self.llm.problem, self._fail_in_flight)
+        self.watchdog.start()
+        self.heartbeat = Heartbeat(args["model_instance_name"])
+        self.heartbeat.start()
 
     def execute(self, requests):
         for request in requests:
-            inputs = {}
-            for name in USER_INPUTS + ("stream",):
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy().copy()
-            self.pool.submit(self._serve, inputs, request.get_response_sender())
+            sender = request.get_response_sender()
+            key = secrets.token_hex(16)
+            try:
+                inputs = {}
+                for name in USER_INPUTS + ("stream",):
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy().copy()
+                problem = self.llm.problem()
+                if problem:
+                    raise llm_unavailable(problem)
+                reply = Reply(lambda response, final, sender=sender: sender.send(response, flags=FINAL if final else 0),
+                              sender.is_cancelled, on_final=lambda key=key: self._forget(key))
+                self.in_flight.admit(key, reply)
+            except Exception as error:
+                sender.send(error_response(pb_utils, error), flags=FINAL)
+                continue
+            threading.Thread(target=self._serve, args=(inputs, key, reply), name="front-request", daemon=True).start()
         return None
 
-    def _serve(self, inputs, sender):
-        key = uuid.uuid4().hex
+    def _forget(self, key):
+        """Before a request's final response: afterwards its sender must not be asked anything."""
+        self.cancellations.remove(key)
+        self.in_flight.release(key)
 
-        def send(response=None, final=False):
-            if final:
-                self.cancellations.remove(key)  # before the final response, after which the sender is gone
-            sender.send(response, flags=FINAL if final else 0)
+    def _fail_in_flight(self, problem):
+        failed = self.in_flight.fail_all(error_response(pb_utils, llm_unavailable(problem)))
+        if failed:
+            print(f"[front] the llm model is not running ({problem}): failed {failed} requests in flight", flush=True)
 
+    def _serve(self, inputs, key, reply):
         try:
             stream = bool(scalar(inputs.get, "stream", False))
             if stream and not self.decoupled:
                 raise InvalidRequestError("stream=true needs the decoupled model 'ensemble' "
                                           "(gRPC streaming or /generate_stream)")
-            llm_inputs = self.preprocessor.prepare(inputs.get)
-            self.cancellations.add(key, sender.is_cancelled)
-            chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in llm_inputs.items()], key,
-                                 on_first=lambda: self.cancellations.started(key))
-            for delta in text_deltas(chunks, self.tokenizer.decode, stream, sender.is_cancelled,
-                                     lambda: self.cancellations.cancel(key)):
+            prepared = self.preprocessor.prepare(inputs.get)
+            self.cancellations.add(key, reply.is_cancelled)
+            chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in prepared.llm_inputs.items()],
+                                 key, on_first=lambda: self.cancellations.started(key))
+            answered = False
+            for delta in text_deltas(chunks, self.tokenizer.decode, stream, reply.is_cancelled,
+                                     lambda: self.cancellations.cancel(key), prepared.stop):
                 outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
                            pb_utils.Tensor("output_token_count", np.array([[delta.token_count]], np.int32))]
-                send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.finished)
-                if delta.finished:
-                    return
-            send(final=True)  # cancelled: close the stream without more data
+                reply.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.finished)
+                answered = answered or delta.finished  # text_deltas goes on draining the llm's stream
+            if not answered:
+                reply.send(None, final=True)  # cancelled: close the stream without more data
         except Exception as error:
-            send(error_response(pb_utils, error), final=True)
+            reply.send(error_response(pb_utils, error), final=True)
 
     def finalize(self):
+        self.heartbeat.stop()
+        self.watchdog.stop()
         self.cancellations.stop()
+        self.in_flight.fail_all(error_response(pb_utils, UnavailableError("the model is shutting down")))
 
 
 def _raise_for(response):

@@ -1,0 +1,109 @@
+"""Each documented limit at its edge, on a real server whose limits are set small: the largest accepted value is
+served, the smallest refused one gets a clear 400 (503 for capacity) that names the limit."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from python_backend.model_files import MODEL_DIR_ENV
+from scripts.llm_client import GenerateClient, HttpClient, RequestError, triton_inputs
+from scripts.server_metrics import read_metrics
+from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, running_server
+
+FRONT_LIMITS = {"max_concurrent_requests": 2, "max_prompt_bytes": 64, "max_stop_strings": 2,
+                "max_stop_string_bytes": 8}
+CONTEXT = 256
+
+
+def set_parameter(config: Path, key: str, value) -> None:
+    text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text())
+    assert count == 1, key
+    config.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def limited(model_dir, tmp_path_factory):
+    repository = tmp_path_factory.mktemp("limits") / "model_repository"
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository, symlinks=True)
+    for name in ("ensemble", "ensemble_unary"):
+        for key, value in FRONT_LIMITS.items():
+            set_parameter(repository / name / "config.pbtxt", key, value)
+    set_parameter(repository / "llm" / "config.pbtxt", "max_context_length", CONTEXT)
+    with running_server(repository, log_path=repository.parent / "server.log",
+                        env={MODEL_DIR_ENV: str(model_dir)}) as ports:
+        yield ports
+
+
+def generate(server, **request):
+    return GenerateClient(f"127.0.0.1:{server.http}").complete({"max_tokens": 4, **request})
+
+
+def refused(server, message, **request):
+    with pytest.raises(RequestError, match=r"HTTP 400: .*" + re.escape(message)):
+        generate(server, **request)
+
+
+def test_prompt_bytes_are_checked_before_tokenization(limited):
+    assert generate(limited, text_input="长" * 21 + "a").output_tokens > 0  # 64 bytes of UTF-8
+    refused(limited, "text_input is 66 bytes, more than the limit of 64", text_input="长" * 22)
+    refused(limited, "text_input is 65 bytes, more than the limit of 64", text_input="a" * 65)
+
+
+def test_number_and_length_of_stop_strings(limited):
+    assert generate(limited, text_input="Hi", stop_words=["12345678", "x"]).output_tokens > 0
+    refused(limited, "stop_words has 3 strings, more than the limit of 2", text_input="Hi", stop_words=["a", "b", "c"])
+    refused(limited, "stop_words has a string of 9 bytes, more than the limit of 8", text_input="Hi",
+            stop_words=["123456789"])
+
+
+def test_prompt_tokens_plus_max_tokens_within_the_context(limited, tokenizer):
+    prompt = "What is the capital of France?"
+    room = CONTEXT - len(tokenizer.encode(prompt, apply_chat_template=True))
+    assert "Paris" in generate(limited, text_input=prompt, max_tokens=room).text  # stops at EOS long before
+    refused(limited, f"max_tokens {room + 1} + prompt", text_input=prompt, max_tokens=room + 1)
+
+
+def test_requests_beyond_max_concurrent_requests_get_503_at_once(limited):
+    running = {**{"text_input": "Tell me a long story.", "end_id": 49151}, "max_tokens": 200}
+    metrics = f"127.0.0.1:{limited.metrics}"
+    outcomes = []
+
+    def one():
+        outcomes.append(HttpClient(f"127.0.0.1:{limited.http}").complete(running).output_tokens)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline_ok = _wait(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120)
+    assert deadline_ok, "two requests fill ensemble_unary's limit"
+    with pytest.raises(InferenceServerException) as http_error:
+        httpclient.InferenceServerClient(f"127.0.0.1:{limited.http}").infer(
+            "ensemble_unary", triton_inputs(httpclient, {"text_input": "Hi", "max_tokens": 2}))
+    with pytest.raises(InferenceServerException) as grpc_error:
+        grpcclient.InferenceServerClient(f"127.0.0.1:{limited.grpc}").infer(
+            "ensemble_unary", triton_inputs(grpcclient, {"text_input": "Hi", "max_tokens": 2}))
+    for thread in threads:
+        thread.join()
+    assert http_error.value.status() == "503" and "its limit (max_concurrent_requests)" in http_error.value.message()
+    assert grpc_error.value.status() == "StatusCode.UNAVAILABLE"
+    assert outcomes == [200, 200], "the two admitted requests were served in full"
+    assert HttpClient(f"127.0.0.1:{limited.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
