@@ -58,6 +58,11 @@ class TokenChooser:
 
     def choose(self, logits: np.ndarray, generated: list[int]) -> int:
         p = self.params
+        if p.greedy and p.repetition_penalty == 1.0:  # the hot path: no arithmetic that could overflow
+            token = int(np.argmax(logits))
+            if not np.isfinite(logits[token]):
+                raise FloatingPointError("the logits are not finite")
+            return token
         # float64: a tiny repetition_penalty or temperature divides fp32 logits past fp32's range (inf, then NaN).
         logits = logits.astype(np.float64)
         if p.repetition_penalty != 1.0 and generated:

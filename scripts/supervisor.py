@@ -5,7 +5,8 @@ decoupled model by itself. The supervisor runs tritonserver in explicit model-co
 the models write (python_backend/heartbeat.py) every ``check_interval_s``:
 
 - the ``llm`` model's process died or its engine stalled: reload ``llm`` through Triton's repository API (a new
-  process; the front model has already failed the requests that were in flight);
+  process; a stalled one is killed first; the front model fails the requests that were in flight when it sees the
+  process gone);
 - a front model's process died, the llm reload failed, or tritonserver exited: restart tritonserver (measured: the
   requests in flight through a dead front process never end, and reloading it does not end them; a restart closes
   their connections).
@@ -29,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from python_backend.heartbeat import InstanceHealth, read_health, runtime_dir
+from python_backend.heartbeat import InstanceHealth, process_alive, read_health, runtime_dir
 
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 
@@ -162,6 +163,12 @@ class Supervisor:
         from scripts.model_control import reload_llm
 
         dead = {h.pid for h in self.instances() if _model_of(h.instance) == RELOADABLE}
+        for pid in dead:
+            # A stalled process is killed first: it would go on writing the heartbeat file that the new one writes,
+            # and the front model fails its requests in flight when it sees the process gone (before the reload
+            # ends: loading a model takes seconds, the front looks every 0.25 s).
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
         # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload.
         reload_llm(self.http_url, supervisor_generation=len(self.recoveries))
         deadline = time.monotonic() + self.recovery_timeout_s

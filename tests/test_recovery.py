@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from python_backend.heartbeat import process_alive
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
 from scripts.triton_server import Ports, server_environment
@@ -152,3 +153,24 @@ def test_a_killed_front_process_restarts_the_server(supervised):
     assert recovered_after < 60 and supervised.answer() == before
     print(f"front killed: {len(errors)} requests ended within {max(e[1] for e in errors):.2f} s "
           f"({errors[0][0][:80]}), ready again after {recovered_after:.1f} s")
+
+
+def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
+    """SIGSTOP: the process exists but does nothing (as a process stuck in a kernel call, or starved)."""
+    before = supervised.answer()
+    _, health = supervised.health()
+    llm_pid = health["instances"]["llm_0_0"]["pid"]
+    threads, outcomes = start_streams(supervised, 2)
+    outcomes["killed_at"] = time.monotonic()
+    os.kill(llm_pid, signal.SIGSTOP)
+    seen, health = watch_readiness(supervised, llm_pid, timeout_s=120)
+    for thread in threads:
+        thread.join(60)
+    errors = [outcomes.get(i) for i in range(2)]
+    assert 503 in seen and health["recoveries"][-1]["action"] == "reload llm"
+    assert "stalled" in health["recoveries"][-1]["reason"]
+    assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
+    assert supervised.answer() == before
+    assert not process_alive(llm_pid), "the frozen process was killed, not left behind"
+    print(f"llm frozen: requests failed after {max(e[1] for e in errors):.1f} s, "
+          f"recovered in {health['recoveries'][-1]['took_s']} s after detection")
