@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from python_backend.errors import InvalidRequestError, UnavailableError, tagged_message
+from python_backend.errors import InvalidRequestError, UnavailableError
 
 
 def model_config(args: dict) -> dict:
@@ -25,11 +25,9 @@ def getter(pb_utils, request):
     return get
 
 
-def error_response(pb_utils, error: Exception, tag: bool = False):
+def error_response(pb_utils, error: Exception):
     """A bad request becomes INVALID_ARG (HTTP 400), a full queue UNAVAILABLE (HTTP 503), each with its message;
-    anything else an INTERNAL error. tag: write the code into the message too, for a BLS caller."""
-    if tag:
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged_message(error)))
+    anything else an INTERNAL error."""
     if isinstance(error, InvalidRequestError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
     if isinstance(error, UnavailableError):

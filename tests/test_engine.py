@@ -5,6 +5,7 @@ import time
 import pytest
 
 from python_backend.engine import Engine, QueueFullError, generate
+from python_backend.fault_injection import FaultyDecoder
 from python_backend.errors import InvalidRequestError
 from python_backend.sampling import SamplingParams
 from python_backend.scheduler import SchedulerConfig
@@ -278,30 +279,6 @@ def test_a_cancel_that_overtakes_its_request_still_cancels_it(decoder, prompts):
     assert seq.finish_reason == "cancelled" and not eng.waiting and events == [(seq.key, [], True)]
 
 
-class FaultyDecoder:
-    """The real decoder, failing on purpose: a prefill whose prompts hold ``poison_token``, or the nth decode step."""
-
-    def __init__(self, decoder, poison_token=None, fail_decode_step=None):
-        self.decoder, self.poison_token, self.fail_decode_step = decoder, poison_token, fail_decode_step
-        self.cache_shape = decoder.cache_shape
-        self.decode_steps = 0
-        self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
-
-    def empty_cache(self, n):
-        return self.decoder.empty_cache(n)
-
-    def forward(self, input_ids, attention_mask, position_ids, past):
-        if past[0].shape[2] == 0:
-            self.prefill_tokens.append(int(attention_mask.sum()))
-            if self.poison_token is not None and (input_ids == self.poison_token).any():
-                raise RuntimeError("poisoned prefill")
-        else:
-            self.decode_steps += 1
-            if self.decode_steps == self.fail_decode_step:
-                raise RuntimeError("decode step failed")
-        return self.decoder.forward(input_ids, attention_mask, position_ids, past)
-
-
 def run_to_end(eng, seqs):
     for seq in seqs:
         eng.submit(seq)
@@ -315,9 +292,9 @@ def test_a_failing_prefill_is_retried_per_sequence_so_only_the_culprit_fails(dec
     errors = []
     for seq in seqs:
         seq.on_error = lambda s, error: errors.append((s.key, str(error)))
-    faulty = FaultyDecoder(decoder, poison_token=poison)
+    faulty = FaultyDecoder(decoder, prefill_token=poison)
     run_to_end(Engine(faulty, SchedulerConfig(kv_budget_tokens=100000)), seqs)
-    assert errors == [(seqs[-1].key, "poisoned prefill")] and seqs[-1].finish_reason == "error"
+    assert errors == [(seqs[-1].key, "injected fault: a prefill fed token 7")] and seqs[-1].finish_reason == "error"
     assert [s.output_ids for s in seqs[:-1]] == alone, "the neighbours get exactly the tokens they get alone"
     assert_each_stream_adds_up_and_ends_once(seqs[:-1], events)
 
@@ -343,20 +320,21 @@ def test_a_failing_choice_fails_only_its_own_sequence(decoder, prompts, alone):
 
 
 def test_a_failing_decode_step_ends_every_running_request_at_once_and_the_next_ones_run(decoder, prompts, alone):
-    eng = Engine(FaultyDecoder(decoder, fail_decode_step=2), SchedulerConfig(kv_budget_tokens=100000))
+    fed = alone[0][0]  # the first decode step feeds it back
+    clean = next(i for i in range(1, len(alone)) if fed not in alone[i])  # a request the fault never touches
+    eng = Engine(FaultyDecoder(decoder, decode_token=fed), SchedulerConfig(kv_budget_tokens=100000))
     seqs, _ = make(prompts[:3], MAX_TOKENS[:3])
     errors = []
     for seq in seqs:
         seq.on_error = lambda s, error: errors.append(s.key)
     for seq in seqs:
         eng.submit(seq)
-    eng.step()
-    eng.step()  # the failing one: every running sequence gets its error now
+    eng.step()  # prefill, then the failing decode: every running sequence gets its error now
     assert sorted(errors) == sorted(s.key for s in seqs) and all(s.final_sent for s in seqs)
     assert eng.running == [] and eng.batch is None
-    later, _ = make(prompts[:1], MAX_TOKENS[:1])
+    later, _ = make(prompts[clean:clean + 1], MAX_TOKENS[clean:clean + 1])
     run_to_end(eng, later)
-    assert later[0].output_ids == alone[0]
+    assert later[0].output_ids == alone[clean]
 
 
 @pytest.mark.parametrize("strategy", ["continuous", "dynamic", "static"])

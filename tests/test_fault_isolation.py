@@ -108,3 +108,58 @@ def test_the_front_model_answers_a_poisoned_request_and_its_neighbours(server):
         futures = [pool.submit(client.complete, r) for r in requests + [poisoned]]
         results = [f.result() for f in futures]
     assert [r.text for r in results[:8]] == alone_texts and results[8].output_tokens > 0
+
+
+PREFILL_POISON = 49000  # a valid id that no test prompt holds
+
+
+@pytest.fixture(scope="module")
+def paris(tokenizer) -> int:
+    [token] = tokenizer.encode_plain(" Paris")
+    return token
+
+
+@pytest.fixture(scope="module")
+def faulty_server(model_dir, tmp_path_factory, paris):
+    """The same models, with faults injected on purpose (python_backend/fault_injection.py): a prefill that holds
+    token 49000 fails, and so does any decode step that feeds " Paris"."""
+    from python_backend.fault_injection import FAULT_ENV
+    from python_backend.model_files import MODEL_DIR_ENV
+    from scripts.triton_server import running_server
+
+    log = tmp_path_factory.mktemp("faulty") / "server.log"
+    env = {MODEL_DIR_ENV: str(model_dir), FAULT_ENV: f"prefill_token={PREFILL_POISON},decode_token={paris}"}
+    with running_server(log_path=log, env=env) as ports:
+        yield ports
+
+
+def test_a_failing_prefill_fails_only_its_request_on_the_server(faulty_server, neighbours, alone, paris):
+    clean = [i for i in range(len(neighbours)) if paris not in alone[i]]  # untouched by the decode fault
+    assert len(clean) >= 6
+    with ThreadPoolExecutor(len(clean) + 1) as pool:
+        futures = [pool.submit(llm_stream, faulty_server, llm_request(neighbours[i])) for i in clean]
+        bad = pool.submit(llm_stream, faulty_server, llm_request(neighbours[1][:-1] + [PREFILL_POISON]))
+        results = [f.result() for f in futures]
+        _, bad_error = bad.result()
+    assert "injected fault: a prefill fed token 49000" in bad_error
+    assert results == [(alone[i], None) for i in clean], "the neighbours get exactly their tokens alone"
+
+
+def test_a_failing_decode_step_ends_every_request_in_the_batch_with_an_error_at_once(faulty_server):
+    """No hang: the step fails, every request in its batch gets the error, and the server serves the next one."""
+    client = GrpcStreamClient(f"127.0.0.1:{faulty_server.grpc}", timeout_s=120)
+    running = [{"text_input": p, "max_tokens": 64, "end_id": 49151} for p in NEIGHBOURS[1:]]
+    trigger = {"text_input": "What is the capital of France?", "max_tokens": 16}  # greedy: "... is Paris."
+
+    def outcome(request):
+        try:
+            return client.complete(request).text
+        except Exception as error:  # noqa: BLE001 - the error is what we look at
+            return error
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(outcome, running + [trigger]))
+    assert isinstance(results[-1], Exception) and "injected fault: a decode step" in str(results[-1])
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert all("injected fault" in str(r) for r in failed), failed
+    assert client.complete({"text_input": "Name three primary colors.", "max_tokens": 8}).output_tokens > 0

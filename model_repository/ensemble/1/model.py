@@ -116,10 +116,14 @@ def _raise_for(response):
 def _llm_stream(tensors, key, on_first):
     key_tensor = pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_))
     request = pb_utils.InferenceRequest(
-        model_name="llm", inputs=tensors + [key_tensor], requested_output_names=["output_ids", "finished"]
+        model_name="llm", inputs=tensors + [key_tensor], requested_output_names=["output_ids", "finished", "error"]
     )
     for response in request.exec(decoupled=True):
         _raise_for(response)
+        error = pb_utils.get_output_tensor_by_name(response, "error")
+        if error is not None:
+            message = error.as_numpy().reshape(-1)[0]
+            raise error_from_tagged(message.decode("utf-8") if isinstance(message, bytes) else str(message))
         ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
         if ids is None:  # an empty closing response
             continue

@@ -8,7 +8,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backend.engine import Engine
-from python_backend.errors import InvalidRequestError
+from python_backend.errors import InvalidRequestError, tagged_message
+from python_backend.fault_injection import maybe_faulty
 from python_backend.heartbeat import Heartbeat
 from python_backend.kv_batch import KV_PEAK_FACTOR
 from python_backend.llm_requests import LlmLimits, sequence_from_inputs
@@ -27,7 +28,7 @@ class TritonPythonModel:
         params = parameters(args)
         model_dir = resolve_model_dir(params["model_dir"], args["model_repository"])
         self.settings = ModelSettings.load(model_dir)
-        decoder = OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"]))
+        decoder = maybe_faulty(OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"])))
         self.limits = LlmLimits(
             vocab_size=decoder.vocab_size,
             max_context_length=min(int(params["max_context_length"]), self.settings.max_position_embeddings),
@@ -69,14 +70,13 @@ class TritonPythonModel:
                 if key is not None:
                     seq.key = key
                 seq.emit = _emitter(sender, self.engine)
-                seq.on_error = _error_sender(sender, tag=key is not None)
+                seq.on_error = _error_sender(sender, for_front=key is not None)
                 # A direct client's cancel is polled at every step; a keyed request comes from the front model
                 # over BLS, which never sees a cancel (the front sends a cancel request instead).
                 seq.is_cancelled = sender.is_cancelled if key is None else None
                 self.engine.submit(seq)
             except Exception as error:
-                # Keyed requests come from the front model over BLS, which loses error codes: tag the message.
-                _error_sender(sender, tag=key is not None)(None, error)
+                _error_sender(sender, for_front=key is not None)(None, error)
         return None
 
     def finalize(self):
@@ -104,8 +104,17 @@ def _emitter(sender, engine):
     return emit
 
 
-def _error_sender(sender, tag):
+def _error_sender(sender, for_front):
+    """Keyed requests come from the front model over BLS, where Triton loses an error response that follows data
+    responses (measured: the front waited forever) and drops error codes: for them the error travels as a final data
+    response with an ``error`` output, its code tagged in the message. Direct clients get a real error response."""
+
     def send(_seq, error):
-        sender.send(error_response(pb_utils, error, tag=tag), flags=FINAL)
+        if for_front:
+            message = np.array([[tagged_message(error).encode("utf-8")]], np.object_)
+            outputs = _outputs([], True) + [pb_utils.Tensor("error", message)]
+            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+        else:
+            sender.send(error_response(pb_utils, error), flags=FINAL)
 
     return send
