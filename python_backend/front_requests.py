@@ -10,6 +10,7 @@ import threading
 from typing import Callable
 
 from python_backend.errors import UnavailableError
+from python_backend.periodic import Periodic
 
 
 class Reply:
@@ -69,30 +70,17 @@ class InFlight:
         return sum(reply.send(error_response, final=True) for reply in replies)
 
 
-class Watchdog:
-    """Every ``interval_s``: when ``problem()`` names one, every in-flight request is failed with it."""
+class Watchdog(Periodic):
+    """Every ``interval_s``: when ``problem()`` names one, ``on_problem(problem)`` (which fails the requests in flight)."""
 
     def __init__(self, problem: Callable[[], str | None], on_problem: Callable[[str], None], interval_s: float = 0.25):
-        self.problem, self.on_problem, self.interval_s = problem, on_problem, interval_s
-        self._stopped = threading.Event()
+        super().__init__("llm-watchdog", interval_s, self.check)
+        self.problem, self.on_problem = problem, on_problem
 
     def check(self) -> None:
         problem = self.problem()
         if problem:
             self.on_problem(problem)
-
-    def start(self) -> None:
-        def loop():
-            while not self._stopped.wait(self.interval_s):
-                try:
-                    self.check()
-                except Exception as error:  # noqa: BLE001 - the watchdog must outlive one failed check
-                    print(f"[watchdog] {type(error).__name__}: {error}", flush=True)
-
-        threading.Thread(target=loop, name="llm-watchdog", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stopped.set()
 
 
 def llm_unavailable(problem: str) -> UnavailableError:

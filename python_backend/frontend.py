@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 from python_backend.detokenizer import Decode, IncrementalDetokenizer
+from python_backend.periodic import Periodic
 
 # The ensemble's inputs, passed on to preprocessing as they came.
 USER_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
@@ -120,7 +121,7 @@ class CancellationWatch:
         self._active: set[str] = set()  # cancellable, not yet cancelled
         self._waiting: dict[str, Callable[[], bool]] = {}  # polled: no token yet
         self._lock = threading.Lock()
-        self._stopped = threading.Event()
+        self._poller = Periodic("cancellation-watch", interval_s, self.poll)
 
     def add(self, key: str, is_cancelled: Callable[[], bool]) -> None:
         with self._lock:
@@ -155,14 +156,7 @@ class CancellationWatch:
             self.send_cancel(key)
 
     def start(self) -> None:
-        def loop():
-            while not self._stopped.wait(self.interval_s):
-                try:
-                    self.poll()
-                except Exception as error:  # noqa: BLE001 - the watch must outlive one failed cancel
-                    print(f"cancellation watch: {error}", flush=True)
-
-        threading.Thread(target=loop, name="cancellation-watch", daemon=True).start()
+        self._poller.start()
 
     def stop(self) -> None:
-        self._stopped.set()
+        self._poller.stop()

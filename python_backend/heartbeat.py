@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from python_backend.periodic import Periodic
+
 RUNTIME_DIR_ENV = "TRITON_LLM_RUNTIME_DIR"
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -47,8 +49,8 @@ class Heartbeat:
     def __init__(self, instance: str, status: Callable[[], dict] = dict, folder: Path | None = None,
                  interval_s: float = HEARTBEAT_INTERVAL_S):
         self.path = (folder or runtime_dir()) / f"{instance}.json"
-        self.status, self.interval_s = status, interval_s
-        self._stopped = threading.Event()
+        self.status = status
+        self._writer = Periodic("heartbeat", interval_s, self.beat)
 
     def beat(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,18 +61,10 @@ class Heartbeat:
 
     def start(self) -> None:
         self.beat()
-
-        def loop():
-            while not self._stopped.wait(self.interval_s):
-                try:
-                    self.beat()
-                except OSError as error:  # a full disk must not take the model down
-                    print(f"[heartbeat] {self.path}: {error}", flush=True)
-
-        threading.Thread(target=loop, name="heartbeat", daemon=True).start()
+        self._writer.start()
 
     def stop(self) -> None:
-        self._stopped.set()
+        self._writer.stop()
 
 
 @dataclass(frozen=True)
