@@ -9,7 +9,7 @@ the models write (python_backend/heartbeat.py) every ``check_interval_s``:
   process gone);
 - a front model's process died, the llm reload failed, or tritonserver exited: restart tritonserver (measured: the
   requests in flight through a dead front process never end, and reloading it does not end them; a restart closes
-  their connections).
+  their connections; the stopped server's leftover stub processes and shared memory are removed).
 
 ``GET /health/ready`` on ``health_port`` answers 200 only while tritonserver is ready and every model process is
 alive and making progress, else 503; ``GET /health/live`` answers 200 while the supervisor runs; both return JSON
@@ -17,7 +17,6 @@ with each instance's state and the recoveries so far."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -181,14 +180,8 @@ class Supervisor:
 
     def _restart(self) -> None:
         if self.process is not None:
-            stubs = _stubs_of(self.process.pid)
             # Short grace: requests through a dead process never finish, and a graceful stop would wait on them.
             _stop_process(self.process, timeout_s=self.restart_grace_s)
-            for pid, regions in stubs.items():  # a killed server can leave its stubs and their shared memory
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                for region in regions:
-                    Path("/dev/shm", region).unlink(missing_ok=True)
         self.process = self.start_server()
         self._wait_ready(self.ready_timeout_s)
 
@@ -206,22 +199,6 @@ class Supervisor:
 def _model_of(instance: str) -> str:
     """llm_0_0 -> llm (Triton names instances <model>_<group>_<index>)."""
     return instance.rsplit("_", 2)[0]
-
-
-def _stubs_of(server_pid: int) -> dict[int, list[str]]:
-    """A server's Python stub processes -> their shared-memory regions (each stub's command line names its own)."""
-    stubs = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-            status = (cmdline.parent / "status").read_text()
-        except OSError:
-            continue
-        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-        if parent == str(server_pid) and args and args[0].endswith(b"triton_python_backend_stub"):
-            stubs[int(cmdline.parent.name)] = [a.decode() for a in args
-                                                if a.startswith(b"triton_python_backend_shm_region")]
-    return stubs
 
 
 def _stop_process(process: subprocess.Popen, timeout_s: float = 20) -> int:

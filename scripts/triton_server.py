@@ -11,6 +11,7 @@ recovery without a person; `--no-supervise` runs tritonserver alone. `--tritonse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -129,13 +130,37 @@ def wait_until_ready(process: subprocess.Popen, ports: Ports, timeout_s: float, 
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM, then SIGKILL after timeout_s. A killed tritonserver can leave its Python stubs running (seen: an
+    orphaned llm stub holding 600 MB) and their shared memory behind: both are removed."""
     if process.poll() is None:
+        stubs = stub_processes(process.pid)
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        for pid, regions in stubs.items():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            for region in regions:
+                Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def stub_processes(server_pid: int) -> dict[int, list[str]]:
+    """A server's Python stub processes -> their shared-memory regions (each stub's command line names its own)."""
+    stubs = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            status = (cmdline.parent / "status").read_text()
+        except OSError:
+            continue
+        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+        if parent == str(server_pid) and args and args[0].endswith(b"triton_python_backend_stub"):
+            stubs[int(cmdline.parent.name)] = [a.decode() for a in args
+                                                if a.startswith(b"triton_python_backend_shm_region")]
+    return stubs
 
 
 @contextmanager

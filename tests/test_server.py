@@ -17,6 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from scripts.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
+from scripts.server_metrics import read_metrics
 from scripts.triton_server import Ports, server_environment
 
 PROMPTS = [
@@ -37,20 +38,22 @@ def grpc_url(server):
     return f"127.0.0.1:{server.grpc}"
 
 
+def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_args) -> list[int]:
+    """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
+    eos = settings["eos_token_ids"]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], **generate_args)
+    new = out[0, len(ids):].tolist()
+    stops = [i for i, t in enumerate(new) if t in eos]
+    return new[: stops[0]] if stops else new
+
+
 @pytest.fixture(scope="module")
 def reference(hf_model, tokenizer, settings):
     """transformers' greedy generate() for each prompt, one at a time: {prompt: token ids without EOS}."""
-    eos = settings["eos_token_ids"]
-    answers = {}
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, apply_chat_template=True)
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                                    max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos[0])
-        new = out[0, len(ids):].tolist()
-        stops = [i for i, t in enumerate(new) if t in eos]
-        answers[prompt] = new[: stops[0]] if stops else new
-    return answers
+    return {prompt: hf_greedy(hf_model, settings, tokenizer.encode(prompt, apply_chat_template=True), MAX_TOKENS)
+            for prompt in PROMPTS}
 
 
 def test_served_greedy_text_equals_transformers_generate(server, reference, tokenizer):
@@ -103,10 +106,54 @@ def test_http_grpc_and_generate_give_the_same_answer(server):
     assert "Paris" in answers["generate"]
 
 
-def llm_statistics(server) -> tuple[int, int]:
+POEM = "Write a poem about the sea."
+
+
+def test_repetition_penalty_reaches_the_model_and_penalizes_the_generated_tokens(server, hf_model, tokenizer,
+                                                                                 settings):
+    """The penalty applies to the tokens generated so far, not to the prompt (transformers' own
+    repetition_penalty also penalizes the prompt's tokens, and answers differently here)."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    ids = tokenizer.encode(POEM, apply_chat_template=True)
+    penalized = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=len(ids))])
+    expected = tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS, logits_processor=penalized))
+    client = GrpcClient(grpc_url(server))
+    plain = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS}).text
+    answer = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS, "repetition_penalty": 1.5}).text
+    assert plain == tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS))
+    assert answer == expected != plain
+
+
+def test_top_k_1_at_temperature_1_is_greedy_whatever_the_seed(server):
+    client = GrpcClient(grpc_url(server))
+    request = {"text_input": POEM, "max_tokens": 24}
+    greedy = client.complete(request).text
+    sampled = {seed: client.complete({**request, "temperature": 1.0, "seed": seed}).text for seed in (1, 2, 3)}
+    top_1 = {seed: client.complete({**request, "temperature": 1.0, "top_k": 1, "seed": seed}).text
+             for seed in (1, 2, 3)}
+    assert any(text != greedy for text in sampled.values()), "these seeds sample off the greedy path"
+    assert all(text == greedy for text in top_1.values()), top_1
+
+
+def test_apply_chat_template_false_continues_the_raw_text(server, hf_model, tokenizer, settings):
+    text = "The capital of France is"
+    raw_ids = tokenizer.encode(text, apply_chat_template=False)
+    expected = tokenizer.decode(hf_greedy(hf_model, settings, raw_ids, 16))
+    client = GenerateClient(http_url(server))
+    raw = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": False}).text
+    chat = client.complete({"text_input": text, "max_tokens": 16}).text
+    assert raw == expected != chat
+    assert raw.startswith(" Paris"), raw
+
+
+def llm_inference_count(server) -> int:
     stats = httpclient.InferenceServerClient(http_url(server)).get_inference_statistics("llm")
-    model = stats["model_stats"][0]
-    return int(model["inference_count"]), int(model["execution_count"])
+    return int(stats["model_stats"][0]["inference_count"])
+
+
+def llm_metrics(server) -> dict[str, float]:
+    return read_metrics(f"127.0.0.1:{server.metrics}", model="llm", strategy="continuous")
 
 
 def test_answer_is_the_same_alone_and_among_8_concurrent_requests_which_are_batched(server, reference, tokenizer):
@@ -115,15 +162,18 @@ def test_answer_is_the_same_alone_and_among_8_concurrent_requests_which_are_batc
               ("2+2=", 4), (PROMPTS[4], 40), ("Translate 'good morning' to Spanish.", 16)]
     client = GrpcClient(grpc_url(server))
     alone = client.complete({"text_input": target, "max_tokens": MAX_TOKENS}).text
-    inferences_before, executions_before = llm_statistics(server)
+    inferences_before, before = llm_inference_count(server), llm_metrics(server)
     requests = [{"text_input": target, "max_tokens": MAX_TOKENS}] + [
         {"text_input": p, "max_tokens": n} for p, n in others]
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(client.complete, requests))
-    inferences, executions = llm_statistics(server)
+    # Each step's batch size is recorded before that step's tokens are sent: complete once every answer is in.
+    after = llm_metrics(server)
     assert results[0].text == alone == tokenizer.decode(reference[target])
-    assert inferences - inferences_before == 8
-    assert executions - executions_before < 8, "Triton's dynamic batcher did not group concurrent requests"
+    assert llm_inference_count(server) - inferences_before == 8
+    steps = after["llm_batch_size_count"] - before["llm_batch_size_count"]
+    rows = after["llm_batch_size_sum"] - before["llm_batch_size_sum"]
+    assert rows > steps, "the engine decoded some of the 8 together (a step with more than one row)"
 
 
 def test_seeded_sampling_is_reproducible(server):
@@ -207,7 +257,7 @@ def test_serve_command_stops_cleanly_on_sigterm(model_dir):
     ports = Ports.free()
     process = subprocess.Popen(
         [sys.executable, "-m", "scripts.triton_server", "--http-port", str(ports.http),
-         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
+         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--health-port", str(Ports.free().http)],
         env={**server_environment(), "TRITON_LLM_MODEL_DIR": str(model_dir)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -1,15 +1,21 @@
 """The three batching strategies on one model, switched by a config parameter on a running server (explicit model
-control, load with a config override): the answers stay the same, and only static batching computes finished rows."""
+control, load with a config override). Each gives the same answers, and each is checked on what only it does, as
+the engine's own metrics show them under the strategy label of the model that served."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.llm_client import GrpcStreamClient
+from scripts.llm_client import GrpcStreamClient, triton_inputs
 from scripts.model_control import SERVED_MODELS, reload_llm
+from scripts.server_metrics import read_metrics
 from scripts.triton_server import running_server
 
 REQUESTS = [
@@ -20,6 +26,11 @@ REQUESTS = [
     {"text_input": "Name a color.", "max_tokens": 4},
     {"text_input": "Why do we dream? Answer in detail.", "max_tokens": 48},
 ]
+# With the chat template these prompts are 31 and 34 tokens ("Hi", "Name a color.") and 37-49 tokens (the others):
+# a bucket boundary at 36 splits them into groups of 2 and 4.
+LENGTH_BUCKETS, LARGEST_BUCKET_GROUP = "36", 4
+NO_EOS = 49151  # end_id that the model practically never emits: generation runs to max_tokens
+LONG_REQUEST = {"text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": NO_EOS}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +43,7 @@ def explicit_server(model_dir, tmp_path_factory):
 def run_concurrently(server):
     client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
-        return [c.text for c in pool.map(client.complete, REQUESTS)]
+        return list(pool.map(client.complete, REQUESTS))
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +52,128 @@ def alone(explicit_server):
     return [client.complete(r).text for r in REQUESTS]
 
 
-@pytest.mark.parametrize("strategy, extra", [
-    ("static", {"static_batch_size": len(REQUESTS), "static_timeout_ms": 2000}),
-    ("dynamic", {"length_buckets": "40"}),
-    ("dynamic", {"length_buckets": ""}),
-    ("continuous", {}),
-])
-def test_every_strategy_gives_the_same_answers(explicit_server, alone, strategy, extra):
-    config = reload_llm(f"127.0.0.1:{explicit_server.http}", batching_strategy=strategy, **extra)
+def reload(server, strategy, **parameters):
+    config = reload_llm(f"127.0.0.1:{server.http}", batching_strategy=strategy, **parameters)
     assert config["parameters"]["batching_strategy"]["string_value"] == strategy
-    assert run_concurrently(explicit_server) == alone
+
+
+def metrics(server, strategy) -> dict[str, float]:
+    """The llm model's metrics under this strategy's label (an empty dict if no model reports that strategy)."""
+    return read_metrics(f"127.0.0.1:{server.metrics}", model="llm", strategy=strategy)
+
+
+def decode_steps_above(server, strategy, rows: int) -> float:
+    """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets = {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "llm_batch_size_bucket"
+               and s.labels.get("model") == "llm" and s.labels.get("strategy") == strategy}
+    return buckets[float("inf")] - buckets[float(rows)]
+
+
+def wait_for(condition, timeout_s: float = 300) -> None:
+    """Waits until condition() holds; the timeout only bounds a hung server."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        time.sleep(0.02)
+
+
+def wait_idle(server, strategy) -> dict[str, float]:
+    """The metrics once nothing runs or waits (the engine reports its state after a step's tokens are counted)."""
+    def idle():
+        values = metrics(server, strategy)
+        return values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0
+
+    wait_for(idle)
+    return metrics(server, strategy)
+
+
+class BackgroundStream:
+    """A gRPC streaming request that runs until cancel()."""
+
+    def __init__(self, server, request: dict):
+        self.final = False
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**request, "stream": True}),
+                                       enable_empty_final_response=True)
+
+    def _on_response(self, result, error):
+        if result is not None and result.get_response().parameters.get("triton_final_response").bool_param:
+            self.final = True
+
+    def cancel(self) -> None:
+        if self.client is not None:
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
+            self.client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+
+def test_static_batching_waits_for_its_batch_and_computes_finished_rows_to_the_end(explicit_server, alone):
+    server = explicit_server
+    # A timeout of an hour: the batch starts when all six have arrived, however slow the machine.
+    reload(server, "static", static_batch_size=len(REQUESTS), static_timeout_ms=3_600_000)
+    before = wait_idle(server, "static")
+    answers = run_concurrently(server)
+    after = wait_idle(server, "static")
+    assert [a.text for a in answers] == alone
+    delta = {name: after[name] - before[name] for name in after}
+    tokens = sum(a.output_tokens for a in answers)
+    assert delta["llm_output_tokens_total"] == tokens, "the model labelled static generated the answers"
+    steps = delta["llm_batch_size_count"]
+    assert steps > 0 and delta["llm_batch_size_sum"] == len(REQUESTS) * steps, \
+        "every decode step ran all six rows, finished ones included"
+    # Decode steps computed 6 x steps rows, of which at most `tokens` were live: the rest is counted as padding.
+    assert delta["llm_padding_tokens_total"] >= len(REQUESTS) * steps - tokens > 0
+
+
+@pytest.mark.parametrize("length_buckets", ["", LENGTH_BUCKETS])
+def test_dynamic_batching_keeps_newcomers_waiting_until_the_group_has_finished(explicit_server, alone,
+                                                                               length_buckets):
+    server = explicit_server
+    reload(server, "dynamic", length_buckets=length_buckets)
+    wait_idle(server, "dynamic")
+    wide_before = decode_steps_above(server, "dynamic", LARGEST_BUCKET_GROUP)
+    client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
+    with BackgroundStream(server, LONG_REQUEST) as group, ThreadPoolExecutor(len(REQUESTS)) as pool:
+        wait_for(lambda: metrics(server, "dynamic")["llm_running_sequences"] == 1)
+        futures = [pool.submit(client.complete, r) for r in REQUESTS]
+        wait_for(lambda: metrics(server, "dynamic")["llm_waiting_sequences"] == len(REQUESTS))
+        steps = metrics(server, "dynamic")["llm_batch_size_count"]
+        wait_for(lambda: metrics(server, "dynamic")["llm_batch_size_count"] >= steps + 10)
+        now = metrics(server, "dynamic")
+        assert (now["llm_running_sequences"], now["llm_waiting_sequences"]) == (1, len(REQUESTS)), \
+            "ten decode steps later, none of the six has joined the running group"
+        assert not group.final
+        group.cancel()  # the group ends: what waited becomes the next group
+        answers = [f.result() for f in futures]
+    wait_idle(server, "dynamic")
+    assert [a.text for a in answers] == alone
+    wide_steps = decode_steps_above(server, "dynamic", LARGEST_BUCKET_GROUP) - wide_before
+    if length_buckets:
+        assert wide_steps == 0, "each length bucket ran as a group of its own (2 and 4 requests)"
+    else:
+        assert wide_steps > 0, "all six that waited ran as one group"
+
+
+def test_continuous_batching_lets_requests_join_and_leave_a_running_batch(explicit_server, alone):
+    server = explicit_server
+    reload(server, "continuous")
+    wait_idle(server, "continuous")
+    with BackgroundStream(server, LONG_REQUEST) as long_one:
+        wait_for(lambda: metrics(server, "continuous")["llm_running_sequences"] == 1)
+        answers = run_concurrently(server)
+        assert not long_one.final, "the six joined, finished and left while the long request kept running"
+    wait_idle(server, "continuous")
+    assert [a.text for a in answers] == alone
 
 
 def test_a_bad_strategy_fails_the_load_and_the_old_version_keeps_serving(explicit_server, alone):

@@ -31,18 +31,70 @@ STREAM_PROMPTS = [
 NO_EOS = 49151  # end_id that the model practically never emits: generation runs to max_tokens
 
 
+# A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
+# machine where the client lags the engine, and stays far below the 1000 tokens the request would otherwise make.
+LEFTOVER_TOKENS = 50
+LABELS = {"model": "llm", "strategy": "continuous"}
+
+
 def metrics(server) -> dict[str, float]:
-    """The llm model's custom metrics (one llm model on this server)."""
-    return read_metrics(f"127.0.0.1:{server.metrics}")
+    """The llm model's custom metrics."""
+    return read_metrics(f"127.0.0.1:{server.metrics}", **LABELS)
 
 
 def wait_for(condition, timeout_s: float, interval_s: float = 0.02) -> float:
-    """Seconds until condition() held; fails after timeout_s."""
+    """Seconds until condition() held; fails after timeout_s (a bound for a hung server, not a speed claim)."""
     started = time.monotonic()
     while not condition():
         assert time.monotonic() - started < timeout_s, "condition not met in time"
         time.sleep(interval_s)
     return time.monotonic() - started
+
+
+def wait_idle(server) -> dict[str, float]:
+    """Waits until the engine has nothing running or waiting; returns the metrics then. The engine reports its
+    state after handing out a step's tokens, so the token counters are complete by then."""
+    def idle():
+        values = metrics(server)
+        return values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0
+
+    wait_for(idle, 300)
+    return metrics(server)
+
+
+class BackgroundStream:
+    """A gRPC streaming request that runs until cancel(); counts the tokens its client has received."""
+
+    def __init__(self, server, request: dict):
+        self.tokens, self.final = 0, False
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**request, "stream": True}),
+                                       enable_empty_final_response=True)
+
+    def _on_response(self, result, error):
+        if result is None:
+            return
+        count = result.as_numpy("output_token_count")
+        if count is not None:
+            self.tokens += int(count.reshape(-1)[0])
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            self.final = True
+
+    def cancel(self) -> int:
+        """Cancels the request (once; later calls do nothing); returns the tokens its client had received."""
+        received = self.tokens
+        if self.client is not None:
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
+            self.client = None
+        return received
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
 
 
 @pytest.mark.parametrize("prompt", STREAM_PROMPTS)
@@ -70,35 +122,37 @@ def long_request():
 
 
 def test_cancelling_a_grpc_stream_frees_the_sequence(server):
-    wait_for(lambda: metrics(server)["llm_running_sequences"] == 0, 60)
-    opened = {}
-    deltas = GrpcStreamClient(f"127.0.0.1:{server.grpc}").stream(long_request(),
-                                                                  on_open=lambda c: opened.update(client=c))
-    for _, _ in zip(range(3), deltas):
-        pass
-    assert metrics(server)["llm_running_sequences"] == 1
-    opened["client"].stop_stream(cancel_requests=True)
-    freed_after = wait_for(lambda: metrics(server)["llm_running_sequences"] == 0, 5)
-    tokens = metrics(server)["llm_output_tokens_total"]
-    time.sleep(0.5)
-    assert metrics(server)["llm_output_tokens_total"] == tokens, "nothing is generated after the cancel"
-    print(f"gRPC cancel freed the sequence after {freed_after:.3f} s")
+    before = wait_idle(server)
+    with BackgroundStream(server, long_request()) as stream:
+        wait_for(lambda: stream.tokens >= 3, 120)
+        assert metrics(server)["llm_running_sequences"] == 1
+        received = stream.cancel()
+    after = wait_idle(server)
+    generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
+    print(f"gRPC cancel: {generated - received:.0f} tokens generated beyond the {received} the client received")
+    assert received <= generated <= received + LEFTOVER_TOKENS, "generation stops soon after the cancel"
+    assert not stream.final
     assert_ready(server)
 
 
 def test_closing_an_sse_connection_frees_the_sequence(server):
-    wait_for(lambda: metrics(server)["llm_running_sequences"] == 0, 60)
-    connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=60)
+    before = wait_idle(server)
+    connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=120)
     connection.request("POST", "/v2/models/ensemble/generate_stream", json.dumps({**long_request(), "stream": True}))
     response = connection.getresponse()
-    events = 0
+    events, received = 0, 0
     while events < 3:
-        events += response.readline().startswith(b"data:")
+        line = response.readline()
+        if line.startswith(b"data:"):
+            events += 1
+            received += json.loads(line[5:])["output_token_count"]
     assert metrics(server)["llm_running_sequences"] == 1
     connection.sock.close()
     connection.close()
-    freed_after = wait_for(lambda: metrics(server)["llm_running_sequences"] == 0, 5)
-    print(f"SSE close freed the sequence after {freed_after:.3f} s")
+    after = wait_idle(server)
+    generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
+    print(f"SSE close: {generated - received:.0f} tokens generated beyond the {received} the client received")
+    assert received <= generated <= received + LEFTOVER_TOKENS, "generation stops soon after the connection closes"
     assert_ready(server)
 
 
@@ -112,28 +166,39 @@ def test_a_prompt_joining_31_running_requests_mid_flight_gets_the_same_tokens(se
     target = {"text_input": "What are the three primary colors?", "max_tokens": 40}
     alone = GrpcClient(f"127.0.0.1:{server.grpc}").complete(target).text
     others = [{"text_input": f"{p} (variant {i})", "max_tokens": 16 + 8 * (i % 10)}
-              for i, p in enumerate(STREAM_PROMPTS * 8)][:31]
+              for i, p in enumerate(STREAM_PROMPTS * 8)][:30]
     client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
-    with ThreadPoolExecutor(32) as pool:
+    # The 31st runs until cancelled, so the target surely joins, and leaves, a running batch.
+    with BackgroundStream(server, long_request()) as long_one, ThreadPoolExecutor(30) as pool:
         background = [pool.submit(client.complete, r) for r in others]
-        wait_for(lambda: metrics(server)["llm_running_sequences"] >= 16, 60)
-        running_when_joined = metrics(server)["llm_running_sequences"]
+        wait_for(lambda: metrics(server)["llm_running_sequences"] >= 16, 120)
         joined = client.complete(target)
+        assert not long_one.final, "the target joined and left while others ran"
         assert all(f.result().output_tokens > 0 for f in background)
     assert joined.text == alone
-    assert running_when_joined >= 16
 
 
-def test_metrics_are_exported(server):
-    GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete({"text_input": "Hi there", "max_tokens": 8})
-    values = metrics(server)
-    for name in ("llm_time_to_first_token_seconds_count", "llm_inter_token_latency_seconds_count",
-                 "llm_batch_size_count", "llm_output_tokens_total", "llm_computed_tokens_total"):
-        assert values[name] > 0, name
-    for name in ("llm_running_sequences", "llm_waiting_sequences", "llm_kv_cache_bytes",
-                 "llm_padding_waste_ratio", "llm_padding_tokens_total"):
-        assert name in values, name
-    assert 0 <= values["llm_padding_waste_ratio"] < 1
+def test_metrics_count_one_request_exactly_and_carry_model_and_strategy_labels(server, tokenizer):
+    request = {"text_input": "Hi there", "max_tokens": 8}
+    before = wait_idle(server)
+    completion = GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete(request)
+    n = completion.output_tokens
+    wait_for(lambda: metrics(server)["llm_output_tokens_total"] - before["llm_output_tokens_total"] >= n, 60)
+    after = wait_idle(server)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["llm_output_tokens_total"] == n
+    assert delta["llm_time_to_first_token_seconds_count"] == 1 and delta["llm_time_to_first_token_seconds_sum"] > 0
+    assert delta["llm_inter_token_latency_seconds_count"] == n - 1  # one response per later token
+    decode_steps = delta["llm_batch_size_count"]
+    assert decode_steps in (n - 1, n)  # the first token comes from the prefill; one more step if it ended at EOS
+    assert delta["llm_batch_size_sum"] == decode_steps  # alone: every step had one row
+    prompt_tokens = len(tokenizer.encode(request["text_input"], apply_chat_template=True))
+    assert delta["llm_computed_tokens_total"] == prompt_tokens + decode_steps
+    assert delta["llm_padding_tokens_total"] == 0
+    assert after["llm_kv_cache_bytes"] == 0 and 0 <= after["llm_padding_waste_ratio"] < 1
+    # Every llm_ sample on this server is labelled with its model and the strategy it runs.
+    everything = read_metrics(f"127.0.0.1:{server.metrics}")
+    assert everything == after and "llm_kv_cache_bytes" in everything
 
 
 @pytest.fixture(scope="module")
@@ -156,59 +221,68 @@ def tiny_queue_server(model_dir, tmp_path_factory):
 
 def test_beyond_the_queue_bound_requests_get_503_and_unavailable(tiny_queue_server):
     server = tiny_queue_server
-    request = {**long_request(), "max_tokens": 64}
-    client = HttpClient(f"127.0.0.1:{server.http}")
-    outcomes = []
-
-    def one():
-        try:
-            outcomes.append(client.complete(request).output_tokens)
-        except RequestError as error:
-            outcomes.append(str(error))
-
-    threads = [threading.Thread(target=one) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.3)
-    with pytest.raises(InferenceServerException) as grpc_error:
-        grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}").infer(
-            "ensemble_unary", triton_inputs(grpcclient, request))
-    # Triton's /generate reports every model error as HTTP 400; the message still says what happened.
-    with pytest.raises(RequestError, match="HTTP 400.*queue is full"):
-        GenerateClient(f"127.0.0.1:{server.http}").complete(request)
-    for thread in threads:
-        thread.join()
-    refused = [o for o in outcomes if isinstance(o, str)]
-    assert outcomes.count(64) >= 2 and refused, outcomes
-    assert all(o.startswith("HTTP 503") and "queue is full" in o for o in refused), refused
-    assert grpc_error.value.status() == "StatusCode.UNAVAILABLE" and "queue is full" in grpc_error.value.message()
+    wait_idle(server)
+    queued = {"text_input": "Name a color.", "max_tokens": 16, "end_id": NO_EOS}
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(HttpClient(f"127.0.0.1:{server.http}").complete(queued)))
+    with BackgroundStream(server, long_request()) as running:  # holds the one running slot until cancelled
+        wait_for(lambda: metrics(server)["llm_running_sequences"] == 1, 120)
+        waiter.start()
+        wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 120)  # the one waiting slot is taken
+        with pytest.raises(RequestError, match=r"^HTTP 503: .*queue is full"):
+            HttpClient(f"127.0.0.1:{server.http}").complete(queued)
+        with pytest.raises(InferenceServerException) as grpc_error:
+            grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}").infer(
+                "ensemble_unary", triton_inputs(grpcclient, queued))
+        assert grpc_error.value.status() == "StatusCode.UNAVAILABLE" and "queue is full" in grpc_error.value.message()
+        # Triton's /generate reports every model error as HTTP 400; the message still says what happened.
+        with pytest.raises(RequestError, match="HTTP 400.*queue is full"):
+            GenerateClient(f"127.0.0.1:{server.http}").complete(queued)
+        assert not running.final
+    waiter.join(timeout=300)
+    assert [c.output_tokens for c in outcome] == [16], "the waiting request is served once the slot frees"
     assert_ready(server)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "sse"])
-def test_a_waiting_request_whose_client_leaves_is_dropped_from_the_queue(tiny_queue_server, protocol):
+def test_a_waiting_request_whose_client_leaves(tiny_queue_server, protocol):
+    """gRPC: the request leaves the queue at once and never runs. SSE: Triton tells the model nothing while the
+    request waits (its HTTP server reads nothing from a connection until the request's first response), so the
+    request runs once admitted and stops within a few tokens, when its first response meets the closed
+    connection."""
     server = tiny_queue_server
-    wait_for(lambda: metrics(server)["llm_running_sequences"] + metrics(server)["llm_waiting_sequences"] == 0, 60)
-    running = threading.Thread(target=lambda: GenerateClient(f"127.0.0.1:{server.http}").complete(
-        {**long_request(), "max_tokens": 200}))
-    running.start()
-    wait_for(lambda: metrics(server)["llm_running_sequences"] == 1, 30)
+    before = wait_idle(server)
+    leaving = {**long_request(), "stream": True}
+    with BackgroundStream(server, long_request()) as running:  # holds the one running slot until cancelled
+        wait_for(lambda: metrics(server)["llm_running_sequences"] == 1, 120)
+        if protocol == "grpc":
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+            client.start_stream(callback=lambda result, error: None)
+            client.async_stream_infer("ensemble", triton_inputs(grpcclient, leaving))
+            wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 120)
+            client.stop_stream(cancel_requests=True)
+            client.close()
+            wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 0, 120)
+            assert metrics(server)["llm_running_sequences"] == 1 and not running.final, "left while the other ran"
+        else:
+            connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=120)
+            connection.request("POST", "/v2/models/ensemble/generate_stream", json.dumps(leaving))
+            wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 120)
+            connection.sock.close()
+            connection.close()
+            # Give the front model's cancellation watch (a look every 0.1 s) 20 engine steps to hear of it: at
+            # least 0.4 s on this CPU, and longer on a slower one.
+            steps = metrics(server)["llm_batch_size_count"]
+            wait_for(lambda: metrics(server)["llm_batch_size_count"] >= steps + 20, 120)
+            assert metrics(server)["llm_waiting_sequences"] == 1, "Triton now reports a gone SSE client early"
+        received = running.cancel()
+    after = wait_idle(server)
+    first_tokens = after["llm_time_to_first_token_seconds_count"] - before["llm_time_to_first_token_seconds_count"]
+    leftover = after["llm_output_tokens_total"] - before["llm_output_tokens_total"] - received
+    print(f"{protocol}: {leftover:.0f} tokens beyond the {received} the running request's client received")
     if protocol == "grpc":
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-        client.start_stream(callback=lambda result, error: None)
-        client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**long_request(), "stream": True}))
-        wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 10)
-        client.stop_stream(cancel_requests=True)
+        assert first_tokens == 1, "the request whose client left never ran"
     else:
-        connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=60)
-        connection.request("POST", "/v2/models/ensemble/generate_stream",
-                           json.dumps({**long_request(), "stream": True}))
-        wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 1, 10)
-        connection.sock.close()
-        connection.close()
-    dropped_after = wait_for(lambda: metrics(server)["llm_waiting_sequences"] == 0, 10)
-    still_running = metrics(server)["llm_running_sequences"]
-    print(f"{protocol}: a waiting request left the queue {dropped_after:.3f} s after its client went away")
-    running.join()
-    if protocol == "grpc":
-        assert still_running == 1 and dropped_after < 1, "a cancelled gRPC stream leaves the queue at once"
+        assert first_tokens == 2, "the request whose client left ran once admitted"
+    assert 0 <= leftover <= LEFTOVER_TOKENS, "and it stopped within a few tokens"
+    assert_ready(server)
