@@ -50,11 +50,15 @@ def validate_sampling_values(
 
 
 class TokenChooser:
-    """Chooses the next token of one sequence from its logits row."""
+    """Chooses the next token of one sequence from its logits row.
 
-    def __init__(self, params: SamplingParams):
+    ``repetition_penalty`` applies to every token the sequence has seen, prompt included, as transformers' and
+    vLLM's do (CTRL's definition: a seen token's positive logit is divided by it, a negative one multiplied)."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int] = ()):
         self.params = params
         self._rng = np.random.default_rng(params.seed)
+        self._prompt_ids = np.unique(np.asarray(prompt, np.int64)) if params.repetition_penalty != 1.0 else None
 
     def choose(self, logits: np.ndarray, generated: list[int]) -> int:
         p = self.params
@@ -65,8 +69,9 @@ class TokenChooser:
             return token
         # float64: a tiny repetition_penalty or temperature divides fp32 logits past fp32's range (inf, then NaN).
         logits = logits.astype(np.float64)
-        if p.repetition_penalty != 1.0 and generated:
-            logits = _apply_repetition_penalty(logits, generated, p.repetition_penalty)
+        if p.repetition_penalty != 1.0:
+            seen = np.union1d(self._prompt_ids, np.asarray(generated, np.int64))
+            logits = _apply_repetition_penalty(logits, seen, p.repetition_penalty)
         if not np.isfinite(logits).all():
             raise FloatingPointError("the logits are not finite")
         if p.greedy:
@@ -85,8 +90,9 @@ class TokenChooser:
         return int(self._rng.choice(probs.shape[-1], p=probs))
 
 
-def _apply_repetition_penalty(logits: np.ndarray, generated: list[int], penalty: float) -> np.ndarray:
-    ids = np.unique(np.asarray(generated))
+def _apply_repetition_penalty(logits: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
+    if not ids.size:
+        return logits
     seen = logits[ids]
     logits[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
     return logits

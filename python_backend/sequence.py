@@ -33,7 +33,7 @@ class Sequence:
     chooser: TokenChooser = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.chooser = TokenChooser(self.params)
+        self.chooser = TokenChooser(self.params, self.prompt_ids)
 
     @property
     def finished(self) -> bool:

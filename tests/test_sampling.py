@@ -60,6 +60,12 @@ def test_repetition_penalty_moves_greedy_off_a_seen_token():
     assert chooser.choose(LOGITS, generated=[1]) == 2  # 3.0 / 2 = 1.5 < 2.5
 
 
+def test_repetition_penalty_counts_the_prompts_tokens_too():
+    params = SamplingParams(max_tokens=1, repetition_penalty=2.0)
+    assert TokenChooser(params, prompt=[1]).choose(LOGITS, generated=[]) == 2
+    assert TokenChooser(params, prompt=[3]).choose(LOGITS, generated=[]) == 1
+
+
 @pytest.mark.parametrize("temperature, penalty", [(1.0, 1e-38), (1e-38, 1.0), (1.4e-45, 1e-38), (0.0, 1e-38)])
 def test_extreme_but_valid_settings_still_choose_a_token(temperature, penalty):
     logits = np.array([38.5, 30.0, -20.0, 0.0], np.float32)  # fp32, as the model's: 38.5 / 1e-38 overflows fp32

@@ -109,15 +109,10 @@ def test_http_grpc_and_generate_give_the_same_answer(server):
 POEM = "Write a poem about the sea."
 
 
-def test_repetition_penalty_reaches_the_model_and_penalizes_the_generated_tokens(server, hf_model, tokenizer,
-                                                                                 settings):
-    """The penalty applies to the tokens generated so far, not to the prompt (transformers' own
-    repetition_penalty also penalizes the prompt's tokens, and answers differently here)."""
-    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
-
+def test_repetition_penalty_reaches_the_model_as_transformers_defines_it(server, hf_model, tokenizer, settings):
+    """The penalty applies to every token seen, prompt included, as in transformers and vLLM."""
     ids = tokenizer.encode(POEM, apply_chat_template=True)
-    penalized = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=len(ids))])
-    expected = tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS, logits_processor=penalized))
+    expected = tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS, repetition_penalty=1.5))
     client = GrpcClient(grpc_url(server))
     plain = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS}).text
     answer = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS, "repetition_penalty": 1.5}).text
