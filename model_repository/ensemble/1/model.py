@@ -3,8 +3,9 @@
 
 `ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
 not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model send the llm model a
-cancel request for its sequence (at its next token, or within 0.1 s while it waits in the queue): Triton does not
-pass cancellation into composed models by itself. When the llm model's process dies, the watchdog fails every
+cancel request for its sequence (at its next token, or, over gRPC, within 0.1 s while it waits in the queue; Triton
+tells a model nothing about a closed HTTP connection before its first response): Triton does not pass cancellation
+into composed models by itself. When the llm model's process dies, the watchdog fails every
 request in flight at once (python_backend/front_requests.py)."""
 
 import secrets
