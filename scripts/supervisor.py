@@ -107,7 +107,10 @@ class Supervisor:
     # --- actions ---
 
     def start(self) -> None:
-        self.process = self.start_server()
+        with self._lock:  # a stop() that comes meanwhile waits for the process to exist, then stops it
+            if self._stopping.is_set():
+                return
+            self.process = self.start_server()
         self._wait_ready(self.ready_timeout_s)
 
     def stop(self) -> int:
@@ -189,6 +192,8 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._stopping.is_set():  # stop() sets this before it signals the server: an expected exit
+                    return
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
             if self.server_ready():
                 return
