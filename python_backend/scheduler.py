@@ -15,6 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
+from python_backend.kv_batch import KV_PEAK_FACTOR
 from python_backend.sequence import Sequence
 
 STRATEGIES = ("continuous", "dynamic", "static")
@@ -34,6 +35,22 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"batching strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int) -> "SchedulerConfig":
+        """From the llm model's config.pbtxt parameters. The KV budget bounds the real peak of cache memory,
+        KV_PEAK_FACTOR times the padded cache (python_backend/kv_batch.py)."""
+        budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
+        return cls(
+            strategy=params["batching_strategy"],
+            max_batch_size=max_batch_size,
+            kv_budget_tokens=budget_bytes // (KV_PEAK_FACTOR * kv_bytes_per_token),
+            max_queue_size=int(params["max_queue_size"]),
+            max_prefill_tokens=int(params["max_prefill_tokens"]),
+            static_batch_size=int(params.get("static_batch_size") or max_batch_size),
+            static_timeout_s=float(params["static_timeout_ms"]) / 1000,
+            length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
+        )
 
 
 def padded_cache_bound(sequences: list[Sequence], cache_len: int) -> int:

@@ -347,3 +347,14 @@ def test_max_prefill_tokens_bounds_every_strategys_prefill_step(decoder, prompts
     run_to_end(eng, seqs)
     assert [s.output_ids for s in seqs] == alone
     assert len(faulty.prefill_tokens) >= 2 and max(faulty.prefill_tokens) <= cap, faulty.prefill_tokens
+
+
+def test_the_config_parameters_make_the_scheduler_config():
+    from python_backend.kv_batch import KV_PEAK_FACTOR
+
+    params = {"batching_strategy": "static", "kv_cache_budget_mb": "1", "max_queue_size": "3",
+              "max_prefill_tokens": "64", "static_batch_size": "", "static_timeout_ms": "250", "length_buckets": "8, 32"}
+    config = SchedulerConfig.from_parameters(params, max_batch_size=4, kv_bytes_per_token=1024)
+    assert config == SchedulerConfig(strategy="static", max_batch_size=4, kv_budget_tokens=2**20 // (KV_PEAK_FACTOR * 1024),
+                                     max_queue_size=3, max_prefill_tokens=64, static_batch_size=4,
+                                     static_timeout_s=0.25, length_buckets=(8, 32))

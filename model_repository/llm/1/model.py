@@ -11,7 +11,6 @@ from python_backend.engine import Engine
 from python_backend.errors import InvalidRequestError, tagged_message
 from python_backend.fault_injection import maybe_faulty
 from python_backend.heartbeat import Heartbeat
-from python_backend.kv_batch import KV_PEAK_FACTOR
 from python_backend.llm_requests import LlmLimits, sequence_from_inputs
 from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
 from python_backend.onnx_decoder import OnnxDecoder
@@ -35,18 +34,8 @@ class TritonPythonModel:
             max_stop_sequences=int(params["max_stop_sequences"]),
             max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
         )
-        max_batch_size = int(model_config(args)["max_batch_size"])
-        budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
-        config = SchedulerConfig(
-            strategy=params["batching_strategy"],
-            max_batch_size=max_batch_size,
-            kv_budget_tokens=budget_bytes // (KV_PEAK_FACTOR * decoder.cache_shape.bytes_per_token()),
-            max_queue_size=int(params["max_queue_size"]),
-            max_prefill_tokens=int(params["max_prefill_tokens"]),
-            static_batch_size=int(params.get("static_batch_size") or max_batch_size),
-            static_timeout_s=float(params["static_timeout_ms"]) / 1000,
-            length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
-        )
+        config = SchedulerConfig.from_parameters(params, int(model_config(args)["max_batch_size"]),
+                                                 decoder.cache_shape.bytes_per_token())
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy})
         self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]))
         self.engine.start()
