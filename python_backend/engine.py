@@ -221,7 +221,8 @@ class Engine:
             self.prefilling += admitted
         for seq in cancelled:
             self._emit(seq)
-        prefilled = self._prefill(self._take_prefill())
+        prefilled = self._take_prefill()
+        self._prefill(prefilled)
         # A group (dynamic, static) decodes once all of it is prefilled; continuous decodes at every step.
         decoding = (self.config.strategy == "continuous" or not self.prefilling) and any(
             not s.finished for s in self.running)
@@ -269,7 +270,7 @@ class Engine:
             tokens += size
         return taken
 
-    def _prefill(self, sequences: list[Sequence]) -> list[Sequence]:
+    def _prefill(self, sequences: list[Sequence]) -> None:
         for chunk in length_sorted_chunks(sequences):
             try:
                 self._prefill_chunk(chunk)
@@ -282,7 +283,6 @@ class Engine:
                         self._prefill_chunk([seq])
                     except Exception as single_error:  # noqa: BLE001
                         self._fail(seq, single_error)
-        return sequences
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> None:
         batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])

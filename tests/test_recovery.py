@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 
@@ -98,11 +99,6 @@ def start_streams(server: Supervised, count: int):
     return threads, outcomes
 
 
-def kill(pid: int, outcomes: dict) -> None:
-    outcomes["killed_at"] = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-
-
 def watch_readiness(server: Supervised, until_pid_gone: int, timeout_s: float) -> tuple[list, dict]:
     """Polls /health/ready until it is 200 again without the killed pid; returns the statuses seen and the JSON."""
     seen, deadline = [], time.monotonic() + timeout_s
@@ -115,62 +111,67 @@ def watch_readiness(server: Supervised, until_pid_gone: int, timeout_s: float) -
     raise AssertionError(f"not ready again within {timeout_s} s: {server.health()}")
 
 
-def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(supervised):
-    before = supervised.answer()
-    _, health = supervised.health()
-    llm_pid = health["instances"]["llm_0_0"]["pid"]
-    threads, outcomes = start_streams(supervised, 8)
-    kill(llm_pid, outcomes)
-    seen, health = watch_readiness(supervised, llm_pid, timeout_s=60)
+@dataclass
+class Fault:
+    pid: int  # the process the signal went to
+    server_pid: int  # tritonserver's, before the fault
+    seen: list  # /health/ready statuses seen until it was ready again without that process
+    health: dict  # the health JSON then
+    errors: list  # per request in flight: (error message or None, seconds from the signal to its end)
+    recovered_after: float
+
+
+def signal_under_load(server: Supervised, instance: str, streams: int, signum: int, timeout_s: float) -> Fault:
+    """Sends signum to a model process while `streams` requests stream, waits until the server is ready again
+    without that process, and collects how each request ended."""
+    _, health = server.health()
+    pid, server_pid = health["instances"][instance]["pid"], health["server_pid"]
+    threads, outcomes = start_streams(server, streams)
+    outcomes["killed_at"] = time.monotonic()
+    os.kill(pid, signum)
+    seen, health = watch_readiness(server, pid, timeout_s)
     recovered_after = time.monotonic() - outcomes["killed_at"]
     for thread in threads:
-        thread.join(30)
-    errors = [outcomes.get(i) for i in range(8)]
+        thread.join(60)
+    return Fault(pid, server_pid, seen, health, [outcomes.get(i) for i in range(streams)], recovered_after)
+
+
+def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(supervised):
+    before = supervised.answer()
+    fault = signal_under_load(supervised, "llm_0_0", 8, signal.SIGKILL, timeout_s=60)
+    errors = fault.errors
     assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
     assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
-    assert 503 in seen, "readiness turned not-ready while the llm process was dead"
-    assert health["recoveries"][-1]["action"] == "reload llm" and health["recoveries"][-1]["ok"]
+    assert 503 in fault.seen, "readiness turned not-ready while the llm process was dead"
+    assert fault.health["recoveries"][-1]["action"] == "reload llm" and fault.health["recoveries"][-1]["ok"]
     assert supervised.answer() == before, "the same prompt is served exactly again"
     print(f"llm killed: {len(errors)} requests failed within {max(e[1] for e in errors):.2f} s, "
-          f"ready again after {recovered_after:.1f} s")
+          f"ready again after {fault.recovered_after:.1f} s")
 
 
 def test_a_killed_front_process_restarts_the_server(supervised):
     before = supervised.answer()
-    _, health = supervised.health()
-    front_pid, server_pid = health["instances"]["ensemble_0_0"]["pid"], health["server_pid"]
-    threads, outcomes = start_streams(supervised, 4)
-    kill(front_pid, outcomes)
-    seen, health = watch_readiness(supervised, front_pid, timeout_s=120)
-    recovered_after = time.monotonic() - outcomes["killed_at"]
-    for thread in threads:
-        thread.join(30)
-    errors = [outcomes.get(i) for i in range(4)]
+    fault = signal_under_load(supervised, "ensemble_0_0", 4, signal.SIGKILL, timeout_s=120)
+    errors = fault.errors
     assert all(e is not None and e[0] for e in errors), errors
     assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
-    assert 503 in seen or None in seen, "readiness turned not-ready while the front process was dead"
-    assert health["server_pid"] != server_pid and health["recoveries"][-1]["action"] == "restart tritonserver"
-    assert recovered_after < 60 and supervised.answer() == before
+    assert 503 in fault.seen or None in fault.seen, "readiness turned not-ready while the front process was dead"
+    assert fault.health["server_pid"] != fault.server_pid
+    assert fault.health["recoveries"][-1]["action"] == "restart tritonserver"
+    assert fault.recovered_after < 60 and supervised.answer() == before
     print(f"front killed: {len(errors)} requests ended within {max(e[1] for e in errors):.2f} s "
-          f"({errors[0][0][:80]}), ready again after {recovered_after:.1f} s")
+          f"({errors[0][0][:80]}), ready again after {fault.recovered_after:.1f} s")
 
 
 def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
     """SIGSTOP: the process exists but does nothing (as a process stuck in a kernel call, or starved)."""
     before = supervised.answer()
-    _, health = supervised.health()
-    llm_pid = health["instances"]["llm_0_0"]["pid"]
-    threads, outcomes = start_streams(supervised, 2)
-    outcomes["killed_at"] = time.monotonic()
-    os.kill(llm_pid, signal.SIGSTOP)
-    seen, health = watch_readiness(supervised, llm_pid, timeout_s=120)
-    for thread in threads:
-        thread.join(60)
-    errors = [outcomes.get(i) for i in range(2)]
-    assert 503 in seen and health["recoveries"][-1]["action"] == "reload llm"
+    fault = signal_under_load(supervised, "llm_0_0", 2, signal.SIGSTOP, timeout_s=120)
+    errors, health = fault.errors, fault.health
+    assert 503 in fault.seen and health["recoveries"][-1]["action"] == "reload llm"
     assert "stalled" in health["recoveries"][-1]["reason"]
     assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
     assert supervised.answer() == before
-    assert not process_alive(llm_pid), "the frozen process was killed, not left behind"
+    assert not process_alive(fault.pid), "the frozen process was killed, not left behind"
     print(f"llm frozen: requests failed after {max(e[1] for e in errors):.1f} s, "
           f"recovered in {health['recoveries'][-1]['took_s']} s after detection")
