@@ -17,6 +17,7 @@ from python_backend.errors import InvalidRequestError, UnavailableError
 from python_backend.kv_batch import KVBatch
 from python_backend.onnx_decoder import OnnxDecoder
 from python_backend.outbox import Outbox
+from python_backend.sampling import token_logprob
 from python_backend.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
 from python_backend.sequence import Sequence
 
@@ -28,7 +29,8 @@ Failures = list[tuple[Sequence, Exception]]
 
 
 def choose_next(sequences: list[Sequence], logits: np.ndarray) -> tuple[np.ndarray, Failures]:
-    """Picks (and appends) each sequence's next token from its row of last-position logits.
+    """Picks (and appends) each sequence's next token from its row of last-position logits, with its
+    log-probability when the sequence asks for them.
 
     A sequence whose choice fails (its own sampling settings, say) is returned with its error instead, so that
     only it fails; its row gets token 0, which nothing reads because the sequence leaves the batch."""
@@ -37,10 +39,12 @@ def choose_next(sequences: list[Sequence], logits: np.ndarray) -> tuple[np.ndarr
     for row, seq in enumerate(sequences):
         try:
             tokens[row] = seq.chooser.choose(logits[row], seq.output_ids)
+            logprob = token_logprob(logits[row], int(tokens[row]), seq.params.top_logprobs) \
+                if seq.params.logprobs else None
         except Exception as error:  # noqa: BLE001 - isolated to this sequence
             failed.append((seq, error))
             continue
-        seq.append(int(tokens[row]))
+        seq.append(int(tokens[row]), logprob)
     return tokens, failed
 
 
@@ -329,17 +333,17 @@ class Engine:
     def _emit(self, seq: Sequence) -> None:
         if seq.final_sent:
             return
-        new = seq.take_emittable()
+        new, logprobs = seq.take_emittable()
         seq.final_sent = seq.finished
         if new or seq.finished:
-            self._deliver(self._send, seq, new, seq.finished)
+            self._deliver(self._send, seq, new, seq.finished, logprobs)
 
-    def _send(self, seq: Sequence, new: list[int], finished: bool) -> None:
+    def _send(self, seq: Sequence, new: list[int], finished: bool, logprobs) -> None:
         """Runs on the outbox thread: hands the tokens out, then times them, so TTFT and inter-token latency
         are measured when the response leaves, not when it was queued."""
         try:
             if seq.emit is not None:
-                seq.emit(seq, new, finished)
+                seq.emit(seq, new, finished, logprobs)
         finally:
             if new:
                 now = time.monotonic()

@@ -18,8 +18,10 @@ class Reply:
     or the watchdog) gets there first; nothing is sent or asked after it."""
 
     def __init__(self, send: Callable[[object, bool], None], is_cancelled: Callable[[], bool],
-                 on_final: Callable[[], None] = lambda: None):
+                 on_final: Callable[[], None] = lambda: None,
+                 error_response: Callable[[Exception], object] = lambda error: error):
         self._send, self._is_cancelled, self._on_final = send, is_cancelled, on_final
+        self._error_response = error_response  # this request's error response for an exception
         self._send_lock = threading.Lock()  # one send at a time, so the final one is last
         self._state_lock = threading.Lock()  # guards `closed`; never held while on_final runs (it takes other locks)
         self.closed = False
@@ -35,6 +37,10 @@ class Reply:
                 self._on_final()
             self._send(response, final)
             return True
+
+    def fail(self, error: Exception) -> bool:
+        """Ends the request with this error, if it was not answered yet."""
+        return self.send(self._error_response(error), final=True)
 
     def is_cancelled(self) -> bool:
         """The client went away, or the request was answered already: either way, stop working on it."""
@@ -63,11 +69,11 @@ class InFlight:
         with self._lock:
             self._replies.pop(key, None)
 
-    def fail_all(self, error_response) -> int:
-        """Sends every held request this final error response; returns how many were still unanswered."""
+    def fail_all(self, error: Exception) -> int:
+        """Ends every held request with this error; returns how many were still unanswered."""
         with self._lock:
             replies, self._replies = list(self._replies.values()), {}
-        return sum(reply.send(error_response, final=True) for reply in replies)
+        return sum(reply.fail(error) for reply in replies)
 
 
 class Watchdog(Periodic):

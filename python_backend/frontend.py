@@ -5,22 +5,52 @@ reaches the llm model."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
 
 from python_backend.detokenizer import Decode, IncrementalDetokenizer
 from python_backend.periodic import Periodic
+from python_backend.preprocessing import PreparedRequest
 
 # The ensemble's inputs, passed on to preprocessing as they came.
 USER_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
-               "end_id", "apply_chat_template", "stop_words")
+               "presence_penalty", "frequency_penalty", "logit_bias_ids", "logit_bias_values", "end_id",
+               "apply_chat_template", "stop_words", "exclude_input_in_output", "return_num_input_tokens",
+               "return_num_output_tokens", "return_log_probs", "num_top_log_probs")
+
+
+class LlmChunk(NamedTuple):
+    """One response of the llm model: new token ids, whether it is the last, and, when asked for, per token its
+    log-probability and the most likely tokens' (ids and values, one row per token)."""
+    ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # the llm's: "eos", "stop", "length", "cancelled"
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[float]] | None = None
+    top_ids: list[list[int]] | None = None
 
 
 @dataclass
 class Delta:
     text: str
-    token_count: int
     finished: bool
+    ids: list[int] = field(default_factory=list)  # the tokens behind this text
+    finish_reason: str | None = None  # on the final Delta: "stop" (EOS, stop string or sequence) or "length"
+    logprobs: list[float] = field(default_factory=list)  # per token in ids, when the llm sent them
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def token_count(self) -> int:
+        return len(self.ids)
+
+    def add(self, chunk: LlmChunk) -> None:
+        self.ids += chunk.ids
+        self.logprobs += chunk.logprobs or []
+        self.top_logprobs += chunk.top_logprobs or []
+        self.top_ids += chunk.top_ids or []
 
 
 class StopStrings:
@@ -63,43 +93,69 @@ class StopStrings:
 
 
 def text_deltas(
-    chunks: Iterable[tuple[list[int], bool]],
+    chunks: Iterable[LlmChunk | tuple[list[int], bool]],
     decode: Decode,
     stream: bool,
     is_cancelled: Callable[[], bool] = lambda: False,
     cancel: Callable[[], None] = lambda: None,
     stop: Sequence[str] = (),
 ) -> Iterator[Delta]:
-    """Turns (new token ids, finished) chunks into text, ended before the first stop string.
+    """Turns the llm's chunks (or plain (new token ids, finished) pairs) into text, ended before the first stop
+    string.
 
     stream: one Delta per chunk that completes some text (and always a final one); otherwise one final Delta.
-    ``token_count`` is the number of tokens consumed since the previous Delta.
+    A Delta carries the tokens consumed since the previous one (with their log-probabilities, if any).
     When a stop string appears before the llm model has finished, ``cancel()`` is called once, then the final
     Delta is yielded. When ``is_cancelled()`` turns true, ``cancel()`` is called once and nothing more is yielded.
     Either way the remaining chunks are still consumed, so the llm model's stream ends cleanly."""
     detokenizer = IncrementalDetokenizer(decode)
     stops = StopStrings(stop)
     pieces: list[str] = []  # text not yet yielded
-    pending_tokens = 0
+    pending = Delta("", False)  # the tokens behind it
     answering = True  # false once the answer is complete or its client went away: the rest is only drained
-    for ids, finished in chunks:
+    for chunk in chunks:
+        chunk = LlmChunk(*chunk)
         if answering and is_cancelled():
             cancel()
             answering = False
         if answering:
-            pending_tokens += len(ids)
-            text, stopped = _sendable_text(detokenizer, stops, ids, finished)
+            pending.add(chunk)
+            text, stopped = _sendable_text(detokenizer, stops, chunk.ids, chunk.finished)
             pieces.append(text)
-            if stopped and not finished:
+            if stopped and not chunk.finished:
                 cancel()
-            if stopped or finished:
-                yield Delta("".join(pieces), pending_tokens, True)
+            if stopped or chunk.finished:
+                pending.text, pending.finished = "".join(pieces), True
+                pending.finish_reason = "length" if chunk.finish_reason == "length" and not stopped else "stop"
+                yield pending
                 answering = False
             elif stream and text:
-                yield Delta("".join(pieces), pending_tokens, False)
-                pieces, pending_tokens = [], 0
-        if finished:
+                pending.text = "".join(pieces)
+                yield pending
+                pieces, pending = [], Delta("", False)
+        if chunk.finished:
             return
+
+
+def response_outputs(delta: Delta, request: PreparedRequest, first: bool) -> dict[str, np.ndarray]:
+    """The ensemble's output tensors (with their batch dimension) for one Delta: text_output always, the rest
+    when the request asked for it (TensorRT-LLM's names: num_input_tokens, num_output_tokens, output_log_probs)."""
+    text = (request.echo if first else "") + delta.text
+    outputs = {"text_output": np.array([[text.encode("utf-8")]], np.object_)}
+    if delta.finished:
+        outputs["finish_reason"] = np.array([[delta.finish_reason.encode()]], np.object_)
+    if request.return_num_input_tokens:
+        outputs["num_input_tokens"] = np.array([[request.prompt_tokens]], np.uint32)
+    if request.return_num_output_tokens:
+        outputs["num_output_tokens"] = np.array([[delta.token_count]], np.uint32)
+    if request.return_log_probs:
+        outputs["output_ids"] = np.array([delta.ids], np.int32).reshape(1, -1)
+        outputs["output_log_probs"] = np.array([delta.logprobs], np.float32).reshape(1, -1)
+    if request.num_top_log_probs:
+        shape = (1, delta.token_count, request.num_top_log_probs)
+        outputs["top_log_probs"] = np.array(delta.top_logprobs, np.float32).reshape(shape)
+        outputs["top_log_prob_ids"] = np.array(delta.top_ids, np.int32).reshape(shape)
+    return outputs
 
 
 def _sendable_text(detokenizer: IncrementalDetokenizer, stops: StopStrings, ids: list[int], finished: bool):

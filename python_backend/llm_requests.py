@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.request_inputs import TensorGetter, decode_stop_sequences, sampling_values, scalar
+from python_backend.request_inputs import (TensorGetter, decode_stop_sequences, logit_bias, logprob_request,
+                                          sampling_values, scalar)
 from python_backend.sampling import SamplingParams
 from python_backend.sequence import Sequence
 
@@ -41,9 +42,13 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limi
     if end_id < -1 or end_id >= limits.vocab_size:
         raise InvalidRequestError(f"end_id must be a token id in [0, {limits.vocab_size}) (or -1: the model's EOS), "
                                   f"got {end_id}")
+    logprobs, top_logprobs = logprob_request(get)
     params = SamplingParams(
         **values,
         seed=seed,
+        logit_bias=logit_bias(get, limits.vocab_size),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         stop_token_sequences=_stop_sequences(get, limits),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.request_inputs import TensorGetter, encode_stop_sequences, sampling_values, scalar, text_list
+from python_backend.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request, sampling_values,
+                                          scalar, text_list)
 from python_backend.tokenization import PromptTokenizer
 
 NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids
@@ -19,13 +20,20 @@ NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids
 class PreparedRequest:
     llm_inputs: dict[str, np.ndarray]  # the llm model's inputs, without batch dimension
     stop: tuple[str, ...]  # stop strings, matched on the generated text
+    prompt_tokens: int = 0
+    echo: str = ""  # the prompt, when the client asked for it in the output (exclude_input_in_output false)
+    # Optional outputs, as TensorRT-LLM names them (num_input_tokens, num_output_tokens, output_log_probs...).
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_log_probs: bool = False
+    num_top_log_probs: int = 0
 
 
 class Preprocessor:
     def __init__(
         self,
         tokenizer: PromptTokenizer,
-        chat_template_by_default: bool = True,
+        chat_template_by_default: bool = False,
         *,
         max_prompt_bytes: int = 65536,
         max_stop_strings: int = 16,
@@ -44,8 +52,10 @@ class Preprocessor:
         values, seed = sampling_values(get)
         end_id = _end_id(get)
         chat = bool(scalar(get, "apply_chat_template", self.chat_template_by_default))
+        return_log_probs, top = logprob_request(get)
+        ids = np.asarray(self.tokenizer.encode(text, apply_chat_template=chat), np.int32)
         llm_inputs = {
-            "input_ids": np.asarray(self.tokenizer.encode(text, apply_chat_template=chat), np.int32),
+            "input_ids": ids,
             "max_tokens": np.asarray([values["max_tokens"]], np.int32),
             "temperature": np.asarray([values["temperature"]], np.float32),
             "top_k": np.asarray([values["top_k"]], np.int32),
@@ -54,8 +64,23 @@ class Preprocessor:
             "seed": np.asarray([np.random.randint(0, 2**63) if seed is None else seed], np.uint64),
             "end_id": np.asarray([end_id], np.int32),
             "stop_words_ids": encode_stop_sequences([]),
+            "presence_penalty": np.asarray([values["presence_penalty"]], np.float32),
+            "frequency_penalty": np.asarray([values["frequency_penalty"]], np.float32),
+            "return_log_probs": np.asarray([return_log_probs], np.bool_),
+            "num_top_log_probs": np.asarray([top], np.int32),
         }
-        return PreparedRequest(llm_inputs, stop)
+        for name in ("logit_bias_ids", "logit_bias_values"):  # checked against the vocabulary by the llm model
+            if get(name) is not None:
+                llm_inputs[name] = np.asarray(get(name), np.int32 if name.endswith("ids") else np.float32).reshape(-1)
+        return PreparedRequest(
+            llm_inputs, stop,
+            prompt_tokens=int(ids.size),
+            echo="" if scalar(get, "exclude_input_in_output", True) else text,
+            return_num_input_tokens=bool(scalar(get, "return_num_input_tokens", False)),
+            return_num_output_tokens=bool(scalar(get, "return_num_output_tokens", False)),
+            return_log_probs=return_log_probs,
+            num_top_log_probs=top,
+        )
 
     def _prompt(self, get: TensorGetter) -> str:
         text = scalar(get, "text_input")

@@ -49,11 +49,45 @@ def sampling_values(get: TensorGetter) -> tuple[dict, int | None]:
         "top_k": int(scalar(get, "top_k", 0)),
         "top_p": float(scalar(get, "top_p", 1.0)),
         "repetition_penalty": float(scalar(get, "repetition_penalty", 1.0)),
+        "presence_penalty": float(scalar(get, "presence_penalty", 0.0)),
+        "frequency_penalty": float(scalar(get, "frequency_penalty", 0.0)),
     }
     seed = scalar(get, "seed")
     seed = None if seed is None else int(seed)
     validate_sampling_values(**values, seed=seed)
     return values, seed
+
+
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit is 300
+MAX_TOP_LOGPROBS = 20
+
+
+def logit_bias(get: TensorGetter, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias_ids / logit_bias_values: as many ids as values, ids in the vocabulary, values in [-100, 100]."""
+    ids, values = get("logit_bias_ids"), get("logit_bias_values")
+    ids = np.zeros(0, np.int64) if ids is None else np.asarray(ids).reshape(-1)
+    values = np.zeros(0, np.float64) if values is None else np.asarray(values, np.float64).reshape(-1)
+    if ids.size != values.size:
+        raise InvalidRequestError(f"logit_bias_ids has {ids.size} values and logit_bias_values {values.size}: "
+                                  "they must pair up")
+    if ids.size > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has {ids.size} entries, more than the limit of {MAX_LOGIT_BIAS}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise InvalidRequestError(f"logit_bias_ids holds token id {int(bad[0])}, outside the vocabulary "
+                                  f"[0, {vocab_size})")
+    if not np.all(np.isfinite(values) & (np.abs(values) <= 100)):
+        raise InvalidRequestError("logit_bias_values must be in [-100, 100]")
+    merged = dict(zip(ids.tolist(), values.tolist()))  # a repeated id: the last value counts
+    return tuple(merged.items())
+
+
+def logprob_request(get: TensorGetter) -> tuple[bool, int]:
+    """(return_log_probs, num_top_log_probs); asking for top log-probabilities implies the log-probabilities."""
+    top = int(scalar(get, "num_top_log_probs", 0))
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"num_top_log_probs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return bool(scalar(get, "return_log_probs", False)) or top > 0, top
 
 
 def text_list(get: TensorGetter, name: str) -> list[str]:

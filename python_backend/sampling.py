@@ -19,10 +19,43 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()
     end_ids: tuple[int, ...] = field(default=())
+    # OpenAI's: subtracted from a token's logit, presence once if the token was generated, frequency per time.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: bool = False  # hand out each chosen token's log-probability
+    top_logprobs: int = 0  # and the most likely tokens' at each position
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_logits(self) -> bool:
+        """Nothing changes the model's logits before the choice."""
+        return (self.repetition_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
+                and not self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-softmax of the model's own logits at one position (before penalties, temperature, top-k/p):
+    the chosen token's value, and the ``top`` most likely tokens', most likely first."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max()
+    log_probs = shifted - np.log(np.exp(shifted).sum())
+    if not top:
+        return TokenLogprob(float(log_probs[token]))
+    top = min(top, log_probs.shape[-1])
+    best = np.argpartition(-log_probs, top - 1)[:top]
+    best = best[np.argsort(-log_probs[best], kind="stable")]
+    return TokenLogprob(float(log_probs[token]), tuple(int(i) for i in best), tuple(float(v) for v in log_probs[best]))
 
 
 def validate_sampling_values(
@@ -32,6 +65,8 @@ def validate_sampling_values(
     top_k: int = 0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int | None = None,
 ) -> None:
     """Raise InvalidRequestError naming the first bad value."""
@@ -45,6 +80,9 @@ def validate_sampling_values(
         raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
     if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
         raise InvalidRequestError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not np.isfinite(value) or not -2.0 <= value <= 2.0:
+            raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
     if seed is not None and seed < 0:
         raise InvalidRequestError(f"seed must be >= 0, got {seed}")
 
@@ -53,7 +91,9 @@ class TokenChooser:
     """Chooses the next token of one sequence from its logits row.
 
     ``repetition_penalty`` applies to every token the sequence has seen, prompt included, as transformers' and
-    vLLM's do (CTRL's definition: a seen token's positive logit is divided by it, a negative one multiplied)."""
+    vLLM's do (CTRL's definition: a seen token's positive logit is divided by it, a negative one multiplied).
+    ``presence_penalty`` and ``frequency_penalty`` apply to the generated tokens only, as OpenAI defines them;
+    then ``logit_bias`` is added."""
 
     def __init__(self, params: SamplingParams, prompt: list[int] = ()):
         self.params = params
@@ -62,7 +102,7 @@ class TokenChooser:
 
     def choose(self, logits: np.ndarray, generated: list[int]) -> int:
         p = self.params
-        if p.greedy and p.repetition_penalty == 1.0:  # the hot path: no arithmetic that could overflow
+        if p.greedy and p.plain_logits:  # the hot path: no arithmetic that could overflow
             token = int(np.argmax(logits))
             if not np.isfinite(logits[token]):
                 raise FloatingPointError("the logits are not finite")
@@ -72,6 +112,11 @@ class TokenChooser:
         if p.repetition_penalty != 1.0:
             seen = np.union1d(self._prompt_ids, np.asarray(generated, np.int64))
             logits = _apply_repetition_penalty(logits, seen, p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and generated:
+            ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        for token, bias in p.logit_bias:
+            logits[token] += bias
         if not np.isfinite(logits).all():
             raise FloatingPointError("the logits are not finite")
         if p.greedy:

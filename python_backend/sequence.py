@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from python_backend.sampling import SamplingParams, TokenChooser
+from python_backend.sampling import SamplingParams, TokenChooser, TokenLogprob
 
-# emit(sequence, new_token_ids, finished): called (from the engine's outbox thread) whenever a sequence has tokens to hand out.
-Emit = Callable[["Sequence", list[int], bool], None]
+# emit(sequence, new_token_ids, finished, their log-probabilities or None): called (from the engine's outbox thread)
+# whenever a sequence has tokens to hand out.
+Emit = Callable[["Sequence", list[int], bool, "list[TokenLogprob] | None"], None]
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Sequence:
     is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when params.logprobs
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "error"
     emitted: int = 0  # how many output ids were already handed out
     final_sent: bool = False
@@ -46,30 +48,34 @@ class Sequence:
     def remaining_tokens(self) -> int:
         return 0 if self.finished else self.params.max_tokens - len(self.output_ids)
 
-    def append(self, token: int) -> None:
-        """Adds a generated token and decides whether the sequence is done.
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Adds a generated token (and its log-probability, if asked for) and decides whether the sequence is done.
 
         EOS and stop sequences are not part of the output."""
         if token in self.params.end_ids:
             self.finish_reason = "eos"
             return
         self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         for stop in self.params.stop_token_sequences:
             if stop and self.output_ids[-len(stop):] == list(stop):
                 del self.output_ids[-len(stop):]
+                del self.logprobs[len(self.output_ids):]
                 self.finish_reason = "stop"
                 return
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
 
-    def take_emittable(self) -> list[int]:
-        """Output ids not yet handed out, holding back a tail that may still turn into a stop sequence."""
-        end = len(self.output_ids)
+    def take_emittable(self) -> tuple[list[int], list[TokenLogprob] | None]:
+        """Output ids not yet handed out (and their log-probabilities, if asked for), holding back a tail that may
+        still turn into a stop sequence."""
+        start, end = self.emitted, len(self.output_ids)
         if not self.finished:
             end -= self._stop_prefix_len()
-        new = self.output_ids[self.emitted:end]
+        new = self.output_ids[start:end]
         self.emitted = max(self.emitted, end)
-        return new
+        return new, (self.logprobs[start:start + len(new)] if self.params.logprobs else None)
 
     def _stop_prefix_len(self) -> int:
         longest = 0

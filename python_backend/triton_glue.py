@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from python_backend.errors import InvalidRequestError, UnavailableError
+from python_backend.errors import InvalidRequestError, UnavailableError, tagged_message
 
 
 def model_config(args: dict) -> dict:
@@ -25,11 +25,22 @@ def getter(pb_utils, request):
     return get
 
 
-def error_response(pb_utils, error: Exception):
+def request_parameters(request) -> dict:
+    """The request's Triton parameters (gRPC/HTTP request "parameters"), e.g. {"tag_errors": true}."""
+    try:
+        return json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        return {}
+
+
+def error_response(pb_utils, error: Exception, tag: bool = False):
     """A bad request becomes INVALID_ARG (HTTP 400), a full queue UNAVAILABLE (HTTP 503), each with its message;
-    anything else an INTERNAL error."""
+    anything else an INTERNAL error. tag: the code is also written into the message ("[INVALID_ARG] ..."), for
+    clients of a gRPC stream, which carries only the message (the OpenAI front asks for it)."""
+    message = tagged_message(error) if tag else (
+        str(error) if isinstance(error, (InvalidRequestError, UnavailableError)) else f"{type(error).__name__}: {error}")
     if isinstance(error, InvalidRequestError):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
     if isinstance(error, UnavailableError):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE))
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}"))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))

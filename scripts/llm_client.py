@@ -1,7 +1,8 @@
 """Calling the model five ways: tritonclient HTTP and gRPC (unary, model `ensemble_unary`), gRPC streaming, and
 Triton's /generate and /generate_stream (model `ensemble`).
 
-A request is a dict of ensemble inputs, e.g. ``{"text_input": "Hi", "max_tokens": 32, "temperature": 0.7}``."""
+A request is a dict of ensemble inputs, e.g. ``{"text_input": "Hi", "max_tokens": 32, "temperature": 0.7}``;
+``text_input`` is the raw prompt unless ``"apply_chat_template": True``. Every client asks for ``num_output_tokens``."""
 
 from __future__ import annotations
 
@@ -26,10 +27,19 @@ INPUT_TYPES = {
     "top_p": ("FP32", np.float32),
     "seed": ("UINT64", np.uint64),
     "repetition_penalty": ("FP32", np.float32),
+    "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32),
+    "logit_bias_ids": ("INT32", np.int32),
+    "logit_bias_values": ("FP32", np.float32),
     "end_id": ("INT32", np.int32),
     "apply_chat_template": ("BOOL", np.bool_),
     "stop_words": ("BYTES", np.object_),
     "stream": ("BOOL", np.bool_),
+    "exclude_input_in_output": ("BOOL", np.bool_),
+    "return_num_input_tokens": ("BOOL", np.bool_),
+    "return_num_output_tokens": ("BOOL", np.bool_),
+    "return_log_probs": ("BOOL", np.bool_),
+    "num_top_log_probs": ("INT32", np.int32),
 }
 PROTOCOLS = ("http", "grpc", "generate", "grpc-stream", "generate-stream")
 
@@ -48,9 +58,9 @@ class RequestError(RuntimeError):
 
 
 def triton_inputs(module, request: dict) -> list:
-    """InferInputs for tritonclient.http or tritonclient.grpc (passed as `module`)."""
+    """InferInputs for tritonclient.http or tritonclient.grpc (passed as `module`), asking for num_output_tokens."""
     inputs = []
-    for name, value in request.items():
+    for name, value in with_token_counts(request).items():
         if name not in INPUT_TYPES:
             raise ValueError(f"unknown input {name!r}; expected one of {sorted(INPUT_TYPES)}")
         triton_type, numpy_type = INPUT_TYPES[name]
@@ -64,10 +74,14 @@ def triton_inputs(module, request: dict) -> list:
     return inputs
 
 
+def with_token_counts(request: dict) -> dict:
+    return {"return_num_output_tokens": True, **request}
+
+
 def _completion(result, started: float) -> Completion:
     text = result.as_numpy("text_output").reshape(-1)[0]
     text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-    return Completion(text, int(result.as_numpy("output_token_count").reshape(-1)[0]), time.perf_counter() - started)
+    return Completion(text, int(result.as_numpy("num_output_tokens").reshape(-1)[0]), time.perf_counter() - started)
 
 
 class HttpClient:
@@ -91,7 +105,7 @@ class HttpClient:
         from tritonclient.utils import InferenceServerException
 
         started = time.perf_counter()
-        outputs = [http.InferRequestedOutput("text_output"), http.InferRequestedOutput("output_token_count")]
+        outputs = [http.InferRequestedOutput("text_output"), http.InferRequestedOutput("num_output_tokens")]
         try:
             result = self._client().infer(UNARY_MODEL, triton_inputs(http, request), outputs=outputs)
         except InferenceServerException as error:
@@ -111,7 +125,7 @@ class GrpcClient:
         from tritonclient.utils import InferenceServerException
 
         started = time.perf_counter()
-        outputs = [grpc.InferRequestedOutput("text_output"), grpc.InferRequestedOutput("output_token_count")]
+        outputs = [grpc.InferRequestedOutput("text_output"), grpc.InferRequestedOutput("num_output_tokens")]
         try:
             result = self.client.infer(
                 UNARY_MODEL, triton_inputs(grpc, request), outputs=outputs, client_timeout=self.timeout_s
@@ -130,14 +144,14 @@ class GenerateClient:
 
     def complete(self, request: dict) -> Completion:
         started = time.perf_counter()
-        body = json.dumps(request).encode("utf-8")
+        body = json.dumps(with_token_counts(request)).encode("utf-8")
         http_request = urllib.request.Request(self.endpoint, body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(http_request, timeout=self.timeout_s) as response:
                 reply = json.loads(response.read())
         except urllib.error.HTTPError as error:
             raise RequestError(f"HTTP {error.code}: {error.read().decode('utf-8', 'replace')}") from None
-        return Completion(reply["text_output"], int(reply["output_token_count"]), time.perf_counter() - started)
+        return Completion(reply["text_output"], int(reply["num_output_tokens"]), time.perf_counter() - started)
 
 
 def _streamed(deltas, started: float) -> Completion:
@@ -179,7 +193,7 @@ class GrpcStreamClient:
                 if result.as_numpy("text_output") is not None:
                     text = result.as_numpy("text_output").reshape(-1)[0]
                     yield (text.decode("utf-8") if isinstance(text, bytes) else str(text),
-                           int(result.as_numpy("output_token_count").reshape(-1)[0]))
+                           int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
                 if response.parameters.get("triton_final_response").bool_param:
                     return
         finally:
@@ -198,7 +212,7 @@ class GenerateStreamClient:
         self.timeout_s = timeout_s
 
     def stream(self, request: dict):
-        body = json.dumps({**request, "stream": True}).encode("utf-8")
+        body = json.dumps({**with_token_counts(request), "stream": True}).encode("utf-8")
         http_request = urllib.request.Request(self.endpoint, body, {"Content-Type": "application/json"})
         try:
             response = urllib.request.urlopen(http_request, timeout=self.timeout_s)
@@ -211,7 +225,7 @@ class GenerateStreamClient:
                 event = json.loads(line[5:])
                 if "error" in event:
                     raise RequestError(event["error"])
-                yield event["text_output"], int(event["output_token_count"])
+                yield event["text_output"], int(event["num_output_tokens"])
 
     def complete(self, request: dict) -> Completion:
         return _streamed(self.stream(request), time.perf_counter())

@@ -24,7 +24,7 @@ def make(prompts, max_tokens=MAX_TOKENS, **params):
     events = []
     seqs = [
         Sequence(prompt_ids=p, params=SamplingParams(max_tokens=n, end_ids=(2,), **params),
-                 emit=lambda seq, ids, done: events.append((seq.key, list(ids), done)))
+                 emit=lambda seq, ids, done, _logprobs: events.append((seq.key, list(ids), done)))
         for p, n in zip(prompts, max_tokens)
     ]
     return seqs, events

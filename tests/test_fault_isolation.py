@@ -100,9 +100,9 @@ def test_a_token_id_outside_the_vocabulary_is_refused_and_neighbours_finish(serv
 
 def test_the_front_model_answers_a_poisoned_request_and_its_neighbours(server):
     client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
-    requests = [{"text_input": p, "max_tokens": MAX_TOKENS} for p in NEIGHBOURS]
+    requests = [{"apply_chat_template": True, "text_input": p, "max_tokens": MAX_TOKENS} for p in NEIGHBOURS]
     alone_texts = [client.complete(r).text for r in requests]
-    poisoned = {"text_input": "Write a poem.", "max_tokens": 32, "temperature": 1.0, "repetition_penalty": 1e-38,
+    poisoned = {"apply_chat_template": True, "text_input": "Write a poem.", "max_tokens": 32, "temperature": 1.0, "repetition_penalty": 1e-38,
                 "seed": 0}
     with ThreadPoolExecutor(9) as pool:
         futures = [pool.submit(client.complete, r) for r in requests + [poisoned]]
@@ -148,8 +148,8 @@ def test_a_failing_prefill_fails_only_its_request_on_the_server(faulty_server, n
 def test_a_failing_decode_step_ends_every_request_in_the_batch_with_an_error_at_once(faulty_server):
     """No hang: the step fails, every request in its batch gets the error, and the server serves the next one."""
     client = GrpcStreamClient(f"127.0.0.1:{faulty_server.grpc}", timeout_s=120)
-    running = [{"text_input": p, "max_tokens": 64, "end_id": 49151} for p in NEIGHBOURS[1:]]
-    trigger = {"text_input": "What is the capital of France?", "max_tokens": 16}  # greedy: "... is Paris."
+    running = [{"apply_chat_template": True, "text_input": p, "max_tokens": 64, "end_id": 49151} for p in NEIGHBOURS[1:]]
+    trigger = {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 16}  # greedy: "... is Paris."
 
     def outcome(request):
         try:
@@ -162,4 +162,4 @@ def test_a_failing_decode_step_ends_every_request_in_the_batch_with_an_error_at_
     assert isinstance(results[-1], Exception) and "injected fault: a decode step" in str(results[-1])
     failed = [r for r in results if isinstance(r, Exception)]
     assert all("injected fault" in str(r) for r in failed), failed
-    assert client.complete({"text_input": "Name three primary colors.", "max_tokens": 8}).output_tokens > 0
+    assert client.complete({"apply_chat_template": True, "text_input": "Name three primary colors.", "max_tokens": 8}).output_tokens > 0

@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from scripts.llm_client import GenerateClient
 
-BASE = {"text_input": "Hi", "max_tokens": 4}
+BASE = {"text_input": "Hi", "max_tokens": 4, "apply_chat_template": True}  # a chat answer ends at EOS soon
 TRITON_PARSER_ERRORS = ("Unable to parse", "failed to parse the request JSON", "attempt to get members for non-object")
 REQUEST_TIMEOUT_S = 120
 

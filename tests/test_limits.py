@@ -67,8 +67,9 @@ def test_number_and_length_of_stop_strings(limited):
 def test_prompt_tokens_plus_max_tokens_within_the_context(limited, tokenizer):
     prompt = "What is the capital of France?"
     room = CONTEXT - len(tokenizer.encode(prompt, apply_chat_template=True))
-    assert "Paris" in generate(limited, text_input=prompt, max_tokens=room).text  # stops at EOS long before
-    refused(limited, f"max_tokens {room + 1} + prompt", text_input=prompt, max_tokens=room + 1)
+    answer = generate(limited, text_input=prompt, max_tokens=room, apply_chat_template=True)
+    assert "Paris" in answer.text  # stops at EOS long before
+    refused(limited, f"max_tokens {room + 1} + prompt", text_input=prompt, max_tokens=room + 1, apply_chat_template=True)
 
 
 def test_requests_beyond_max_concurrent_requests_get_503_at_once(limited):

@@ -59,3 +59,15 @@ def test_stop_sequences_are_bounded_in_number_and_length():
 def test_request_keys_are_unguessable():
     keys = {Sequence(prompt_ids=[1], params=SamplingParams(max_tokens=1)).key for _ in range(100)}
     assert len(keys) == 100 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
+
+
+def test_logit_bias_and_log_probability_inputs_are_checked():
+    seq = sequence_from_inputs(llm_inputs(4, 4, logit_bias_ids=[[5, 7, 5]], logit_bias_values=[[1.0, -2.0, 3.0]],
+                                          num_top_log_probs=2), (2,), LIMITS)
+    assert seq.params.logit_bias == ((5, 3.0), (7, -2.0)) and seq.params.logprobs and seq.params.top_logprobs == 2
+    for extra, named in [({"logit_bias_ids": [[5, 7]], "logit_bias_values": [[1.0]]}, "pair up"),
+                         ({"logit_bias_ids": [[100]], "logit_bias_values": [[1.0]]}, "outside the vocabulary"),
+                         ({"logit_bias_ids": [[5]], "logit_bias_values": [[100.5]]}, r"\[-100, 100\]"),
+                         ({"num_top_log_probs": -1}, "num_top_log_probs")]:
+        with pytest.raises(InvalidRequestError, match=named):
+            sequence_from_inputs(llm_inputs(4, 4, **extra), (2,), LIMITS)

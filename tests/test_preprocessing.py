@@ -21,12 +21,32 @@ def preprocessor(tokenizer):
     return Preprocessor(tokenizer)
 
 
-def test_chat_template_is_applied_by_default_and_can_be_turned_off(preprocessor, tokenizer):
+def test_text_input_is_the_raw_prompt_unless_the_chat_template_is_asked_for(preprocessor, tokenizer):
+    """As in TensorRT-LLM's ensemble: the raw prompt by default; the chat template is an opt-in extension."""
     def input_ids(**values):
         return preprocessor.prepare(inputs(text_input="Hello", max_tokens=4, **values)).llm_inputs["input_ids"]
 
-    assert "<|im_start|>user" in tokenizer.tokenizer.decode(input_ids().tolist())
-    assert tokenizer.decode(input_ids(apply_chat_template=False).tolist()) == "Hello"
+    assert tokenizer.tokenizer.decode(input_ids().tolist()) == "Hello"
+    assert "<|im_start|>user" in tokenizer.tokenizer.decode(input_ids(apply_chat_template=True).tolist())
+    assert Preprocessor(tokenizer, chat_template_by_default=True).prepare(
+        inputs(text_input="Hello", max_tokens=4)).llm_inputs["input_ids"].tolist() == input_ids(
+        apply_chat_template=True).tolist()
+
+
+def test_response_options_follow_tensorrt_llm_names(preprocessor):
+    plain = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8))
+    assert plain.prompt_tokens == 1 and plain.echo == ""
+    assert not (plain.return_num_input_tokens or plain.return_num_output_tokens or plain.return_log_probs)
+    asked = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8, exclude_input_in_output=False,
+                                        return_num_input_tokens=True, return_num_output_tokens=True,
+                                        num_top_log_probs=3))
+    assert asked.echo == "Hi" and asked.return_num_input_tokens and asked.return_num_output_tokens
+    assert asked.return_log_probs and asked.num_top_log_probs == 3  # top log-probabilities imply log-probabilities
+    assert asked.llm_inputs["num_top_log_probs"].tolist() == [3] and asked.llm_inputs["return_log_probs"].tolist() == [True]
+    with pytest.raises(InvalidRequestError, match="num_top_log_probs"):
+        preprocessor.prepare(inputs(text_input="Hi", max_tokens=8, num_top_log_probs=21))
+    with pytest.raises(InvalidRequestError, match="presence_penalty"):
+        preprocessor.prepare(inputs(text_input="Hi", max_tokens=8, presence_penalty=2.5))
 
 
 def test_outputs_are_complete_and_typed(preprocessor):

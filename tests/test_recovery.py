@@ -21,8 +21,8 @@ from python_backend.model_files import MODEL_DIR_ENV
 from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
 from scripts.triton_server import Ports, server_environment
 
-PROMPT = {"text_input": "What is the capital of France?", "max_tokens": 16}
-LONG = {"text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": 49151}
+PROMPT = {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 16}
+LONG = {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": 49151}
 
 
 class Supervised:

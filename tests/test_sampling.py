@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from python_backend.errors import InvalidRequestError
-from python_backend.sampling import SamplingParams, TokenChooser, validate_sampling_values
+from python_backend.sampling import SamplingParams, TokenChooser, token_logprob, validate_sampling_values
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.5], np.float32)
 
@@ -78,3 +78,37 @@ def test_non_finite_logits_are_an_error_not_a_nan_sample():
     with pytest.raises(FloatingPointError, match="not finite"):
         TokenChooser(SamplingParams(max_tokens=1, temperature=1.0, seed=0)).choose(
             np.array([1.0, np.nan], np.float32), [])
+
+
+def log_softmax(logits):
+    x = logits.astype(np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_top_tokens_in_order():
+    expected = log_softmax(LOGITS)
+    lp = token_logprob(LOGITS, 2, top=3)
+    assert lp.logprob == pytest.approx(expected[2], abs=1e-12)
+    assert lp.top_ids == (1, 2, 0) and np.allclose(lp.top_logprobs, expected[[1, 2, 0]])
+    assert token_logprob(LOGITS, 4).top_ids == ()
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    # token 1 leads by 0.5; generated twice it loses presence 0.2 + 2 x frequency 0.2 = 0.6, and token 2 wins
+    chooser = TokenChooser(SamplingParams(max_tokens=4, presence_penalty=0.2, frequency_penalty=0.2), prompt=[2, 2])
+    assert chooser.choose(LOGITS, generated=[1]) == 1  # 0.4 off: still ahead
+    assert chooser.choose(LOGITS, generated=[1, 1]) == 2
+    negative = TokenChooser(SamplingParams(max_tokens=4, presence_penalty=-1.0, frequency_penalty=-1.0))
+    assert negative.choose(LOGITS, generated=[0, 0]) == 0  # a negative penalty favours what was said: 1 + 1 + 2 > 3
+
+
+def test_logit_bias_adds_to_the_logits_even_when_greedy():
+    assert TokenChooser(SamplingParams(max_tokens=4, logit_bias=((3, 4.5),))).choose(LOGITS, []) == 3
+    assert TokenChooser(SamplingParams(max_tokens=4, logit_bias=((1, -100.0),))).choose(LOGITS, []) == 2
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.01, -2.5, float("nan")])
+def test_penalties_outside_openai_range_are_named(name, value):
+    with pytest.raises(InvalidRequestError, match=name):
+        validate_sampling_values(max_tokens=4, **{name: value})

@@ -1,4 +1,4 @@
-from python_backend.sampling import SamplingParams
+from python_backend.sampling import SamplingParams, TokenLogprob
 from python_backend.sequence import Sequence
 
 
@@ -33,3 +33,15 @@ def test_partial_stop_sequence_does_not_stop():
     for token in (8, 7, 9):
         seq.append(token)
     assert seq.output_ids == [8, 7, 9] and not seq.finished
+
+
+def test_log_probabilities_stay_aligned_with_the_ids_handed_out():
+    seq = make(logprobs=True, stop_token_sequences=((8, 9),))
+    for token in (7, 8):
+        seq.append(token, TokenLogprob(-float(token)))
+    assert seq.take_emittable() == ([7], [TokenLogprob(-7.0)])  # 8 is held back: it may begin the stop sequence
+    seq.append(9, TokenLogprob(-9.0))  # the stop sequence: 8 and 9 and their log-probabilities go
+    assert seq.logprobs == [TokenLogprob(-7.0)] and seq.take_emittable() == ([], [])
+    seq = make()
+    seq.append(7, None)
+    assert seq.take_emittable() == ([7], None)  # not asked for: none are kept

@@ -59,7 +59,7 @@ def reference(hf_model, tokenizer, settings):
 def test_served_greedy_text_equals_transformers_generate(server, reference, tokenizer):
     client = GrpcClient(grpc_url(server))
     for prompt in PROMPTS:
-        completion = client.complete({"text_input": prompt, "max_tokens": MAX_TOKENS})
+        completion = client.complete({"text_input": prompt, "max_tokens": MAX_TOKENS, "apply_chat_template": True})
         assert completion.text == tokenizer.decode(reference[prompt]), prompt
         assert completion.output_tokens == len(reference[prompt])
 
@@ -96,7 +96,7 @@ def test_llm_model_output_ids_equal_transformers_token_for_token(server, referen
 
 
 def test_http_grpc_and_generate_give_the_same_answer(server):
-    request = {"text_input": "What is the capital of France?", "max_tokens": 16}
+    request = {"text_input": "What is the capital of France?", "max_tokens": 16, "apply_chat_template": True}
     answers = {
         "http": HttpClient(http_url(server)).complete(request).text,
         "grpc": GrpcClient(grpc_url(server)).complete(request).text,
@@ -114,15 +114,16 @@ def test_repetition_penalty_reaches_the_model_as_transformers_defines_it(server,
     ids = tokenizer.encode(POEM, apply_chat_template=True)
     expected = tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS, repetition_penalty=1.5))
     client = GrpcClient(grpc_url(server))
-    plain = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS}).text
-    answer = client.complete({"text_input": POEM, "max_tokens": MAX_TOKENS, "repetition_penalty": 1.5}).text
+    request = {"text_input": POEM, "max_tokens": MAX_TOKENS, "apply_chat_template": True}
+    plain = client.complete(request).text
+    answer = client.complete({**request, "repetition_penalty": 1.5}).text
     assert plain == tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS))
     assert answer == expected != plain
 
 
 def test_top_k_1_at_temperature_1_is_greedy_whatever_the_seed(server):
     client = GrpcClient(grpc_url(server))
-    request = {"text_input": POEM, "max_tokens": 24}
+    request = {"text_input": POEM, "max_tokens": 24, "apply_chat_template": True}
     greedy = client.complete(request).text
     sampled = {seed: client.complete({**request, "temperature": 1.0, "seed": seed}).text for seed in (1, 2, 3)}
     top_1 = {seed: client.complete({**request, "temperature": 1.0, "top_k": 1, "seed": seed}).text
@@ -131,14 +132,16 @@ def test_top_k_1_at_temperature_1_is_greedy_whatever_the_seed(server):
     assert all(text == greedy for text in top_1.values()), top_1
 
 
-def test_apply_chat_template_false_continues_the_raw_text(server, hf_model, tokenizer, settings):
+def test_text_input_is_the_raw_prompt_unless_the_chat_template_is_asked_for(server, hf_model, tokenizer, settings):
+    """As TensorRT-LLM's ensemble: a client moving over gets the same continuation of the same raw prompt."""
     text = "The capital of France is"
     raw_ids = tokenizer.encode(text, apply_chat_template=False)
     expected = tokenizer.decode(hf_greedy(hf_model, settings, raw_ids, 16))
     client = GenerateClient(http_url(server))
-    raw = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": False}).text
-    chat = client.complete({"text_input": text, "max_tokens": 16}).text
-    assert raw == expected != chat
+    raw = client.complete({"text_input": text, "max_tokens": 16}).text
+    explicit = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": False}).text
+    chat = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": True}).text
+    assert raw == explicit == expected != chat
     assert raw.startswith(" Paris"), raw
 
 
@@ -156,10 +159,10 @@ def test_answer_is_the_same_alone_and_among_8_concurrent_requests_which_are_batc
     others = [("Hi", 8), (PROMPTS[1], 48), ("Tell me a long story about a dragon.", 64), (PROMPTS[2], 24),
               ("2+2=", 4), (PROMPTS[4], 40), ("Translate 'good morning' to Spanish.", 16)]
     client = GrpcClient(grpc_url(server))
-    alone = client.complete({"text_input": target, "max_tokens": MAX_TOKENS}).text
+    alone = client.complete({"apply_chat_template": True, "text_input": target, "max_tokens": MAX_TOKENS}).text
     inferences_before, before = llm_inference_count(server), llm_metrics(server)
-    requests = [{"text_input": target, "max_tokens": MAX_TOKENS}] + [
-        {"text_input": p, "max_tokens": n} for p, n in others]
+    requests = [{"apply_chat_template": True, "text_input": target, "max_tokens": MAX_TOKENS}] + [
+        {"apply_chat_template": True, "text_input": p, "max_tokens": n} for p, n in others]
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(client.complete, requests))
     # Each step's batch size is recorded before that step's tokens are sent: complete once every answer is in.
@@ -192,7 +195,7 @@ BAD_REQUESTS = [
     ({"text_input": "Hi", "max_tokens": 8, "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": "Hi", "max_tokens": 8, "top_k": -2}, "top_k must be >= 0"),
     ({"text_input": "Hi", "max_tokens": 8, "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-    ({"text_input": "Hi"}, "missing required input(s) ['max_tokens']"),
+    ({"text_input": "Hi"}, "max_tokens is required"),
 ]
 
 
@@ -236,7 +239,8 @@ def test_client_cli_writes_jsonl(server, tmp_path):
     from scripts import client
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"text_input": "What is 2+2?", "max_tokens": 8}\n{"text_input": "Say hi"}\n')
+    prompts.write_text('{"text_input": "What is 2+2?", "max_tokens": 8, "apply_chat_template": true}\n'
+                       '{"text_input": "Say hi", "apply_chat_template": true}\n')
     output = tmp_path / "answers.jsonl"
     code = client.main([str(prompts), "--protocol", "grpc", "--grpc-url", grpc_url(server),
                         "--max-tokens", "4", "--output", str(output)])

@@ -17,7 +17,7 @@ NO_EOS = 49151  # end_id that the model practically never emits: without a stop,
 
 
 def ask(**extra) -> dict:
-    return {"text_input": PROMPT, "max_tokens": 16, **extra}
+    return {"apply_chat_template": True, "text_input": PROMPT, "max_tokens": 16, **extra}
 
 
 def every_protocol(server, request: dict) -> dict:

@@ -19,18 +19,18 @@ from scripts.server_metrics import read_metrics
 from scripts.triton_server import running_server
 
 REQUESTS = [
-    {"text_input": "What is the capital of France?", "max_tokens": 24},
-    {"text_input": "Hi", "max_tokens": 8},
-    {"text_input": "用一句话介绍一下长城。", "max_tokens": 32},
-    {"text_input": "Write a Python function that adds two numbers.", "max_tokens": 40},
-    {"text_input": "Name a color.", "max_tokens": 4},
-    {"text_input": "Why do we dream? Answer in detail.", "max_tokens": 48},
+    {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 24},
+    {"apply_chat_template": True, "text_input": "Hi", "max_tokens": 8},
+    {"apply_chat_template": True, "text_input": "用一句话介绍一下长城。", "max_tokens": 32},
+    {"apply_chat_template": True, "text_input": "Write a Python function that adds two numbers.", "max_tokens": 40},
+    {"apply_chat_template": True, "text_input": "Name a color.", "max_tokens": 4},
+    {"apply_chat_template": True, "text_input": "Why do we dream? Answer in detail.", "max_tokens": 48},
 ]
 # With the chat template these prompts are 31 and 34 tokens ("Hi", "Name a color.") and 37-49 tokens (the others):
 # a bucket boundary at 36 splits them into groups of 2 and 4.
 LENGTH_BUCKETS, LARGEST_BUCKET_GROUP = "36", 4
 NO_EOS = 49151  # end_id that the model practically never emits: generation runs to max_tokens
-LONG_REQUEST = {"text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": NO_EOS}
+LONG_REQUEST = {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": NO_EOS}
 
 
 @pytest.fixture(scope="module")

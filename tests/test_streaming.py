@@ -75,7 +75,7 @@ class BackgroundStream:
     def _on_response(self, result, error):
         if result is None:
             return
-        count = result.as_numpy("output_token_count")
+        count = result.as_numpy("num_output_tokens")
         if count is not None:
             self.tokens += int(count.reshape(-1)[0])
         if result.get_response().parameters.get("triton_final_response").bool_param:
@@ -99,7 +99,7 @@ class BackgroundStream:
 
 @pytest.mark.parametrize("prompt", STREAM_PROMPTS)
 def test_streamed_deltas_add_up_to_the_unary_answer(server, prompt):
-    request = {"text_input": prompt, "max_tokens": 48}
+    request = {"apply_chat_template": True, "text_input": prompt, "max_tokens": 48}
     unary = GrpcClient(f"127.0.0.1:{server.grpc}").complete(request)
     grpc_stream = GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete(request)
     sse = GenerateStreamClient(f"127.0.0.1:{server.http}").complete(request)
@@ -118,7 +118,8 @@ def test_stream_true_is_refused_by_the_unary_model(server):
 
 
 def long_request():
-    return {"text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": NO_EOS}
+    return {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000,
+            "end_id": NO_EOS}
 
 
 def test_cancelling_a_grpc_stream_frees_the_sequence(server):
@@ -138,14 +139,15 @@ def test_cancelling_a_grpc_stream_frees_the_sequence(server):
 def test_closing_an_sse_connection_frees_the_sequence(server):
     before = wait_idle(server)
     connection = http.client.HTTPConnection("127.0.0.1", server.http, timeout=120)
-    connection.request("POST", "/v2/models/ensemble/generate_stream", json.dumps({**long_request(), "stream": True}))
+    connection.request("POST", "/v2/models/ensemble/generate_stream", json.dumps({**long_request(), "stream": True,
+                                                                                    "return_num_output_tokens": True}))
     response = connection.getresponse()
     events, received = 0, 0
     while events < 3:
         line = response.readline()
         if line.startswith(b"data:"):
             events += 1
-            received += json.loads(line[5:])["output_token_count"]
+            received += json.loads(line[5:])["num_output_tokens"]
     assert metrics(server)["llm_running_sequences"] == 1
     connection.sock.close()
     connection.close()
@@ -163,9 +165,9 @@ def assert_ready(server):
 
 
 def test_a_prompt_joining_31_running_requests_mid_flight_gets_the_same_tokens(server):
-    target = {"text_input": "What are the three primary colors?", "max_tokens": 40}
+    target = {"apply_chat_template": True, "text_input": "What are the three primary colors?", "max_tokens": 40}
     alone = GrpcClient(f"127.0.0.1:{server.grpc}").complete(target).text
-    others = [{"text_input": f"{p} (variant {i})", "max_tokens": 16 + 8 * (i % 10)}
+    others = [{"apply_chat_template": True, "text_input": f"{p} (variant {i})", "max_tokens": 16 + 8 * (i % 10)}
               for i, p in enumerate(STREAM_PROMPTS * 8)][:30]
     client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
     # The 31st runs until cancelled, so the target surely joins, and leaves, a running batch.
@@ -179,7 +181,7 @@ def test_a_prompt_joining_31_running_requests_mid_flight_gets_the_same_tokens(se
 
 
 def test_metrics_count_one_request_exactly_and_carry_model_and_strategy_labels(server, tokenizer):
-    request = {"text_input": "Hi there", "max_tokens": 8}
+    request = {"apply_chat_template": True, "text_input": "Hi there", "max_tokens": 8}
     before = wait_idle(server)
     completion = GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete(request)
     n = completion.output_tokens
@@ -222,7 +224,7 @@ def tiny_queue_server(model_dir, tmp_path_factory):
 def test_beyond_the_queue_bound_requests_get_503_and_unavailable(tiny_queue_server):
     server = tiny_queue_server
     wait_idle(server)
-    queued = {"text_input": "Name a color.", "max_tokens": 16, "end_id": NO_EOS}
+    queued = {"apply_chat_template": True, "text_input": "Name a color.", "max_tokens": 16, "end_id": NO_EOS}
     outcome = []
     waiter = threading.Thread(target=lambda: outcome.append(HttpClient(f"127.0.0.1:{server.http}").complete(queued)))
     with BackgroundStream(server, long_request()) as running:  # holds the one running slot until cancelled

@@ -16,13 +16,13 @@ import triton_python_backend_utils as pb_utils
 
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
 from python_backend.front_requests import InFlight, Reply, Watchdog, llm_unavailable
-from python_backend.frontend import USER_INPUTS, CancellationWatch, text_deltas
+from python_backend.frontend import USER_INPUTS, CancellationWatch, LlmChunk, response_outputs, text_deltas
 from python_backend.heartbeat import Heartbeat, PeerLiveness
 from python_backend.model_files import resolve_model_dir
 from python_backend.preprocessing import Preprocessor
 from python_backend.request_inputs import scalar
 from python_backend.tokenization import PromptTokenizer
-from python_backend.triton_glue import error_response, model_config, parameters
+from python_backend.triton_glue import error_response, model_config, parameters, request_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -33,7 +33,7 @@ class TritonPythonModel:
         self.tokenizer = PromptTokenizer(resolve_model_dir(params["model_dir"], args["model_repository"]))
         self.preprocessor = Preprocessor(
             self.tokenizer,
-            params["apply_chat_template"].lower() == "true",
+            chat_template_by_default=params["apply_chat_template"].lower() == "true",
             max_prompt_bytes=int(params["max_prompt_bytes"]),
             max_stop_strings=int(params["max_stop_strings"]),
             max_stop_string_bytes=int(params["max_stop_string_bytes"]),
@@ -52,6 +52,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             key = secrets.token_hex(16)
+            tag = bool(request_parameters(request).get("tag_errors", False))
             try:
                 inputs = {}
                 for name in USER_INPUTS + ("stream",):
@@ -62,10 +63,11 @@ class TritonPythonModel:
                 if problem:
                     raise llm_unavailable(problem)
                 reply = Reply(lambda response, final, sender=sender: sender.send(response, flags=FINAL if final else 0),
-                              sender.is_cancelled, on_final=lambda key=key: self._forget(key))
+                              sender.is_cancelled, on_final=lambda key=key: self._forget(key),
+                              error_response=lambda error, tag=tag: error_response(pb_utils, error, tag))
                 self.in_flight.admit(key, reply)
             except Exception as error:
-                sender.send(error_response(pb_utils, error), flags=FINAL)
+                sender.send(error_response(pb_utils, error, tag), flags=FINAL)
                 continue
             threading.Thread(target=self._serve, args=(inputs, key, reply), name="front-request", daemon=True).start()
         return None
@@ -76,7 +78,7 @@ class TritonPythonModel:
         self.in_flight.release(key)
 
     def _fail_in_flight(self, problem):
-        failed = self.in_flight.fail_all(error_response(pb_utils, llm_unavailable(problem)))
+        failed = self.in_flight.fail_all(llm_unavailable(problem))
         if failed:
             print(f"[front] the llm model is not running ({problem}): failed {failed} requests in flight", flush=True)
 
@@ -90,23 +92,24 @@ class TritonPythonModel:
             self.cancellations.add(key, reply.is_cancelled)
             chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in prepared.llm_inputs.items()],
                                  key, on_first=lambda: self.cancellations.started(key))
-            answered = False
+            answered = first = False
             for delta in text_deltas(chunks, self.tokenizer.decode, stream, reply.is_cancelled,
                                      lambda: self.cancellations.cancel(key), prepared.stop):
-                outputs = [pb_utils.Tensor("text_output", np.array([[delta.text.encode("utf-8")]], np.object_)),
-                           pb_utils.Tensor("output_token_count", np.array([[delta.token_count]], np.int32))]
+                outputs = [pb_utils.Tensor(name, value)
+                           for name, value in response_outputs(delta, prepared, first=not first).items()]
                 reply.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.finished)
+                first = True
                 answered = answered or delta.finished  # text_deltas goes on draining the llm's stream
             if not answered:
                 reply.send(None, final=True)  # cancelled: close the stream without more data
         except Exception as error:
-            reply.send(error_response(pb_utils, error), final=True)
+            reply.fail(error)
 
     def finalize(self):
         self.heartbeat.stop()
         self.watchdog.stop()
         self.cancellations.stop()
-        self.in_flight.fail_all(error_response(pb_utils, UnavailableError("the model is shutting down")))
+        self.in_flight.fail_all(UnavailableError("the model is shutting down"))
 
 
 def _raise_for(response):
@@ -117,7 +120,9 @@ def _raise_for(response):
 def _llm_stream(tensors, key, on_first):
     key_tensor = pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_))
     request = pb_utils.InferenceRequest(
-        model_name="llm", inputs=tensors + [key_tensor], requested_output_names=["output_ids", "finished", "error"]
+        model_name="llm", inputs=tensors + [key_tensor],
+        requested_output_names=["output_ids", "finished", "error", "finish_reason", "output_log_probs",
+                                "top_log_probs", "top_log_prob_ids"],
     )
     for response in request.exec(decoupled=True):
         _raise_for(response)
@@ -132,7 +137,25 @@ def _llm_stream(tensors, key, on_first):
         if on_first is not None:
             on_first()
             on_first = None
-        yield ids.as_numpy().reshape(-1).tolist(), finished
+        yield _llm_chunk(response, ids.as_numpy().reshape(-1).tolist(), finished)
+
+
+def _llm_chunk(response, ids, finished):
+    def output(name):
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    reason, logprobs, top, top_ids = (output(name) for name in
+                                      ("finish_reason", "output_log_probs", "top_log_probs", "top_log_prob_ids"))
+    if reason is not None:
+        reason = reason.reshape(-1)[0]
+        reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    return LlmChunk(
+        ids, finished, reason,
+        None if logprobs is None else logprobs.reshape(-1).tolist(),
+        None if top is None else top.reshape(len(ids), -1).tolist(),
+        None if top_ids is None else top_ids.reshape(len(ids), -1).tolist(),
+    )
 
 
 def _cancel(key):

@@ -80,9 +80,28 @@ def _outputs(ids, finished):
     ]
 
 
+def _token_outputs(seq, ids, finished, logprobs):
+    outputs = _outputs(ids, finished)
+    if finished:
+        outputs.append(pb_utils.Tensor("finish_reason", np.array([[seq.finish_reason.encode()]], np.object_)))
+    if logprobs is not None:
+        outputs.append(pb_utils.Tensor("output_log_probs",
+                                       np.asarray([[lp.logprob for lp in logprobs]], np.float32).reshape(1, -1)))
+        top = seq.params.top_logprobs
+        if top:
+            shape = (1, len(logprobs), top)
+            outputs += [
+                pb_utils.Tensor("top_log_probs",
+                                np.asarray([lp.top_logprobs for lp in logprobs], np.float32).reshape(shape)),
+                pb_utils.Tensor("top_log_prob_ids",
+                                np.asarray([lp.top_ids for lp in logprobs], np.int32).reshape(shape)),
+            ]
+    return outputs
+
+
 def _emitter(sender, engine):
-    def emit(seq, new_ids, finished):
-        response = pb_utils.InferenceResponse(output_tensors=_outputs(new_ids, finished))
+    def emit(seq, new_ids, finished, logprobs):
+        response = pb_utils.InferenceResponse(output_tensors=_token_outputs(seq, new_ids, finished, logprobs))
         try:
             sender.send(response, flags=FINAL if finished else 0)
         except Exception:
