@@ -26,3 +26,23 @@ def test_front_inputs_are_tensorrt_llms_names():
                        ("top_k", "TYPE_INT32"), ("top_p", "TYPE_FP32"), ("stop_words", "TYPE_STRING"),
                        ("end_id", "TYPE_INT32"), ("stream", "TYPE_BOOL"), ("text_output", "TYPE_STRING")]:
         assert f'name: "{name}" data_type: {kind}' in text, name
+
+
+# What Triton's OpenAI frontend (python/openai/openai_frontend/engine/utils/triton.py in
+# triton-inference-server/server) sends to, and reads from, a TensorRT-LLM or vLLM model, with its dtypes.
+TRITON_OPENAI_FRONTEND_NAMES = [
+    ("text_input", "TYPE_STRING"), ("stream", "TYPE_BOOL"), ("max_tokens", "TYPE_INT32"),
+    ("stop_words", "TYPE_STRING"), ("top_p", "TYPE_FP32"), ("frequency_penalty", "TYPE_FP32"),
+    ("presence_penalty", "TYPE_FP32"), ("seed", "TYPE_UINT64"), ("temperature", "TYPE_FP32"),
+    ("exclude_input_in_output", "TYPE_BOOL"), ("return_num_input_tokens", "TYPE_BOOL"),
+    ("return_num_output_tokens", "TYPE_BOOL"), ("text_output", "TYPE_STRING"),
+    ("num_input_tokens", "TYPE_UINT32"), ("num_output_tokens", "TYPE_UINT32"),
+    ("return_log_probs", "TYPE_BOOL"), ("output_log_probs", "TYPE_FP32"),
+]
+
+
+def test_the_ensemble_has_every_name_triton_s_openai_frontend_uses():
+    text = (REPO / "ensemble" / "config.pbtxt").read_text()
+    missing = [name for name, kind in TRITON_OPENAI_FRONTEND_NAMES if f'name: "{name}" data_type: {kind}' not in text]
+    assert not missing
+    assert "output_token_count" not in text  # replaced by num_output_tokens; nothing needs it any more
