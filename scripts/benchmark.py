@@ -11,7 +11,10 @@ template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
   strategy beats the plain loop only by prefilling in length-sorted chunks; what serving costs is the gap between
   "engine without server, continuous" and "server, continuous";
 - server, one at a time: the requests sent sequentially through Triton (continuous strategy);
-- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy.
+- server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy;
+- OpenAI front: the same N requests as streaming /v1/completions (the official `openai` client) through the
+  OpenAI-compatible service (openai_api/) in front of the same server, continuous strategy, each run paired with a
+  gRPC streaming run right before it; printed with the ratios (output tokens/s, median TTFT) of the pairs.
 Batched rows show the median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 """
@@ -19,6 +22,7 @@ Also printed: the raw onnxruntime decode speed at batch N (one decode step, past
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -167,6 +171,83 @@ def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tup
     return results, time.perf_counter() - started
 
 
+def through_openai(requests: list[dict], base_url: str, model: str) -> tuple[list[Completion], float]:
+    """The requests as streaming completions (raw prompts, greedy) through the OpenAI front, all at once."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+    def one(request: dict) -> Completion:
+        started, first, texts, tokens = time.perf_counter(), None, [], 0
+        for chunk in client.completions.create(model=model, prompt=request["text_input"], temperature=0,
+                                               max_tokens=request["max_tokens"], stream=True,
+                                               stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].text:
+                first = first if first is not None else time.perf_counter() - started
+                texts.append(chunk.choices[0].text)
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return Completion("".join(texts), tokens, time.perf_counter() - started, first, texts)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(one, requests))
+    return results, time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def running_openai_front(grpc_url: str, model_dir: Path, log_path: Path):
+    """scripts/openai_server.py on a free port in front of grpc_url; yields its /v1 URL."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url", grpc_url,
+                                    "--model-dir", str(model_dir), "--port", str(port)],
+                                   cwd=PROJECT_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2):
+                        break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the OpenAI front did not start; see {log_path}") from None
+                    time.sleep(0.5)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            process.terminate()
+            process.wait(30)
+
+
+def openai_front_rows(requests: list[dict], grpc: str, model_dir: Path, repeats: int) -> tuple[list[Row], str]:
+    """Paired runs, gRPC streaming then the OpenAI front, on the continuous server; returns the two median rows
+    and a line with the medians of the pairs' ratios."""
+    model = json.loads((model_dir / "llm_settings.json").read_text())["model_name"]
+    with running_openai_front(grpc, model_dir, PROJECT_ROOT / "build" / "benchmark-openai.log") as base_url:
+        through_openai(requests[:2], base_url, model)  # warm-up
+        direct_runs, front_runs = [], []
+        for _ in range(repeats):
+            direct, wall = through_server(requests, grpc, concurrent=True)
+            direct_runs.append(server_row("server, continuous, gRPC streaming (paired)", direct, wall, None))
+            front, wall = through_openai(requests, base_url, model)
+            front_runs.append(server_row("server, continuous, through the OpenAI front", front, wall, None))
+            if [r.text for r in front] != [r.text for r in direct]:
+                log("WARNING: the OpenAI front's greedy texts differ from gRPC streaming's")
+    log("  gRPC output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in direct_runs))
+    log("  front output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in front_runs))
+    speed = statistics.median(f.tokens_per_s / d.tokens_per_s for d, f in zip(direct_runs, front_runs))
+    ttft = statistics.median((f.ttft_p50 - d.ttft_p50) * 1000 for d, f in zip(direct_runs, front_runs))
+    line = (f"OpenAI front vs gRPC streaming, {len(requests)} concurrent streams, median of {repeats} pairs: "
+            f"output tokens/s x{speed:.3f} ({(speed - 1) * 100:+.1f} %), median TTFT {ttft:+.1f} ms")
+    return [median_run(direct_runs), median_run(front_runs)], line
+
+
 def padding_counters(metrics_port: int, strategy: str) -> tuple[float, float]:
     values = read_metrics(f"127.0.0.1:{metrics_port}", strategy=strategy)
     return values.get("llm_padding_tokens_total", 0.0), values.get("llm_computed_tokens_total", 0.0)
@@ -211,15 +292,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of each batched row; the table shows the median run by output tokens/s")
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip sending the requests one at a time through the server (slow)")
+    parser.add_argument("--skip-openai", action="store_true", help="skip the OpenAI front's paired runs")
+    parser.add_argument("--only-openai", action="store_true",
+                        help="only the OpenAI front's paired runs (no in-process rows, no other strategies)")
     parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
-    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "benchmark.json")
+    parser.add_argument("--output", type=Path, help="default: build/benchmark.json (--only-openai: "
+                                                     "build/benchmark-openai.json)")
     args = parser.parse_args(argv)
+    args.output = args.output or PROJECT_ROOT / "build" / ("benchmark-openai.json" if args.only_openai
+                                                           else "benchmark.json")
     requests = workload(args.requests)
-    rows, raw_decode, lengths_alone = in_process(requests, args.model_dir, args.repeats)
+    if args.only_openai:
+        rows, raw_decode, lengths_alone = [], None, None
+        args.strategies, args.skip_sequential = "", True
+    else:
+        rows, raw_decode, lengths_alone = in_process(requests, args.model_dir, args.repeats)
+    front_line = None
     log_path = PROJECT_ROOT / "build" / "benchmark-server.log"
     with running_server(log_path=log_path, explicit_models=SERVED_MODELS) as ports:
         http, grpc = f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}"
-        for strategy in args.strategies.split(","):
+        for strategy in filter(None, args.strategies.split(",")):
             log(f"server: strategy {strategy}, {len(requests)} concurrent requests")
             reload_llm(http, max_batch_size=len(requests), batching_strategy=strategy,
                        static_batch_size=len(requests))
@@ -242,9 +334,21 @@ def main(argv: list[str] | None = None) -> int:
             results, wall = through_server(requests, grpc, concurrent=False)
             first_server_row = next(i for i, r in enumerate(rows) if r.runner.startswith("server"))
             rows.insert(first_server_row, server_row("server, one at a time", results, wall, None))
-    print_table(rows, raw_decode, len(requests))
+        if not args.skip_openai:
+            log(f"OpenAI front: {len(requests)} concurrent streaming completions, paired with gRPC streaming")
+            reload_llm(http, max_batch_size=len(requests), batching_strategy="continuous")
+            front_rows, front_line = openai_front_rows(requests, grpc, args.model_dir, args.repeats)
+            rows += front_rows
+    if raw_decode is not None:
+        print_table(rows, raw_decode, len(requests))
+    if front_line:
+        print("\n" + front_line)
+        if args.only_openai:
+            for r in rows:
+                print(f"  {r.runner}: {r.tokens_per_s:.1f} output tok/s, TTFT p50 {r.ttft_p50:.3f} s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"requests": len(requests), "raw_decode_tokens_per_s": raw_decode,
+                                       "openai_front": front_line,
                                        "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]},
                                       indent=2))
     log(f"wrote {args.output}")
