@@ -9,6 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HEALTH_PORT ?= 8003
+OPENAI_PORT ?= 9000
 ADDRESS ?= 127.0.0.1
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
@@ -33,11 +34,12 @@ demo: model
 	$(PY) -m scripts.demo
 
 # Supervised: readiness on $(HEALTH_PORT)/health/ready, a dead model process is reloaded or the server restarted.
-# SERVE_ARGS=--no-supervise runs tritonserver alone.
+# The OpenAI-compatible API runs beside it on $(OPENAI_PORT). SERVE_ARGS=--no-supervise runs tritonserver without
+# the supervisor, SERVE_ARGS=--no-openai without the OpenAI API.
 serve: model
 	$(PY) -m scripts.triton_server --address $(ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		--health-port $(HEALTH_PORT) $(SERVE_ARGS)
+		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)

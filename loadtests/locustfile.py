@@ -1,8 +1,9 @@
-"""Locust users for the Triton LLM server.
+"""Locust users for the Triton LLM server and its OpenAI-compatible service.
 
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8000                      # web UI, all users
     locust -f loadtests/locustfile.py StreamUser --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000
-    locust -f loadtests/locustfile.py GrpcStreamUser --grpc-url 127.0.0.1:8001 --headless -u 8 -t 30s
+    locust -f loadtests/locustfile.py GrpcStreamUser --headless -u 8 -t 30s --host http://127.0.0.1:8000
+    locust -f loadtests/locustfile.py ChatStreamUser --headless -u 8 -t 30s --openai-url http://127.0.0.1:9000
     locust -f loadtests/locustfile.py --master ...   /   --worker --master-host ...   (distributed, unchanged)
 
 Users (each waits for its answer, then sends the next request: N users = N requests in flight):
@@ -11,13 +12,29 @@ Users (each waits for its answer, then sends the next request: N users = N reque
   "generate_stream TTFT" (time to the first text) and "generate_stream ITL" (each gap between two text events,
   divided by the tokens it carried).
 - GrpcStreamUser: tritonclient gRPC streaming, same three entries named "grpc_stream ...".
-The content size of the whole-request entries is the number of output tokens.
+- ChatStreamUser: POST /v1/chat/completions of the OpenAI-compatible service, streamed with a usage chunk at the end;
+  entries "chat_stream", "chat_stream TTFT" (time to the first content delta) and "chat_stream ITL". The chat API
+  does not say how many tokens a chunk carries: a content chunk counts as 1 unless it reports usage
+  (endpoints.chat_deltas), so an ITL entry is a gap between two content chunks. The prompt is the user message:
+  the service applies the chat template, and --raw-prompts does not apply. Greedy, as the Triton users are.
+The content size of the whole-request entries is the number of output tokens (the chat user's: the usage chunk's
+completion_tokens).
+
+Where requests go: --host is Triton's HTTP endpoint. --grpc-url defaults to the host of --host with its port + 1
+(Triton's convention, 8000 -> 8001: its HTTP endpoint does not report the gRPC port); --openai-url to
+http://<host of --host>:9000; --model to the first id of the service's GET /v1/models, asked once. When the test
+starts, each selected user checks its endpoint (gRPC: the ensemble is ready; chat: GET /v1/models answers); when one
+is not there, Locust ends the run with the reason and exit code 2 before any request (the web UI stays up and only
+stops the test). A failed request is recorded with the server's message: Triton's error text, the HTTP body's error,
+gRPC's status and message.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
+import sys
 import time
 from urllib.parse import urlsplit
 
@@ -25,13 +42,19 @@ from grpc.experimental import gevent as grpc_gevent  # before any gRPC object: m
 
 grpc_gevent.init_gevent()
 
+import gevent  # noqa: E402
 import gevent.queue  # noqa: E402
 from locust import FastHttpUser, User, constant, events, task  # noqa: E402
+from locust.runners import MasterRunner, WorkerRunner  # noqa: E402
 
-from loadtests.workload import DEFAULT_PROMPTS, MaxTokens, Workload, load_prompts  # noqa: E402
+from loadtests.endpoints import (EndpointError, RequestFailed, check_grpc, chat_deltas, error_text,  # noqa: E402
+                                 first_model_id, grpc_url_from_host, http_error_text, openai_url_from_host,
+                                 sse_events)
+from loadtests.workload import DEFAULT_PROMPTS, MaxTokens, Workload, chat_request, load_prompts  # noqa: E402
 
 MODEL = "ensemble"
 FAILURE_BACKOFF_S = 0.2  # after a failed request, so that a down server is not hammered in a tight loop
+START_FAILED_EXIT_CODE = 2  # an endpoint was not there at start (1 is Locust's "some requests failed")
 
 
 @events.init_command_line_parser.add_listener
@@ -39,7 +62,11 @@ def _arguments(parser):
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL file with a text_input per line")
     parser.add_argument("--max-tokens", default="choice:16,32,64,128",
                         help="choice:16,32,64 | uniform:16:128 | fixed:64")
-    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="host:port of Triton's gRPC endpoint")
+    parser.add_argument("--grpc-url", default="",
+                        help="host:port of Triton's gRPC endpoint (default: the host of --host, its port + 1)")
+    parser.add_argument("--openai-url", default="",
+                        help="the OpenAI-compatible service for ChatStreamUser (default: http://<host of --host>:9000)")
+    parser.add_argument("--model", default="", help="model id for ChatStreamUser (default: the first of /v1/models)")
     parser.add_argument("--raw-prompts", action="store_true", help="send prompts without the chat template")
     parser.add_argument("--workload-seed", type=int, default=None)
 
@@ -58,9 +85,48 @@ def _workload_for(environment) -> Workload:
     return _workloads[key]
 
 
-def _fire(environment, kind: str, name: str, seconds: float, length: int = 0, exception=None):
+def _triton_request(environment) -> dict:
+    return {**_workload_for(environment).next_request(), "return_num_output_tokens": True}
+
+
+def _endpoint_problems(environment) -> str:
+    """Empty when the endpoint of every selected user answers, else what is wrong and what to pass."""
+    problems = []
+    for user_class in sorted(environment.user_classes, key=lambda c: c.__name__):
+        try:
+            if hasattr(user_class, "check_endpoint"):
+                user_class.check_endpoint(environment)
+        except EndpointError as error:
+            problems.append(f"{user_class.__name__}: {error}")
+    return "\n".join(problems)
+
+
+def _headless_here(environment) -> bool:
+    return environment.parsed_options.headless and not isinstance(environment.runner, WorkerRunner)
+
+
+@events.init.add_listener
+def _check_before_a_headless_run(environment, **_kwargs):
+    """A headless run whose endpoint is not there ends before its first request, with the reason."""
+    if _headless_here(environment) and (problems := _endpoint_problems(environment)):
+        logging.error(problems)
+        sys.exit(START_FAILED_EXIT_CODE)
+
+
+@events.test_start.add_listener
+def _check_at_each_start(environment, **_kwargs):
+    """The web UI (whose host and options change between tests) and each worker check at every start; a missing
+    endpoint stops that test, and the web UI stays up to start again."""
+    if _headless_here(environment) or isinstance(environment.runner, MasterRunner):
+        return
+    if problems := _endpoint_problems(environment):
+        logging.error(problems)
+        gevent.spawn(environment.runner.stop)
+
+
+def _fire(environment, kind: str, name: str, seconds: float, length: int = 0, error: str | None = None):
     environment.events.request.fire(request_type=kind, name=name, response_time=seconds * 1000,
-                                    response_length=length, exception=exception, context={})
+                                    response_length=length, exception=error, context={})
 
 
 class _StreamTimer:
@@ -83,8 +149,9 @@ class _StreamTimer:
             self.last = now
         self.tokens += tokens
 
-    def done(self, exception=None) -> None:
-        _fire(self.environment, self.kind, self.name, time.perf_counter() - self.started, self.tokens, exception)
+    def done(self, error: BaseException | None = None) -> None:
+        _fire(self.environment, self.kind, self.name, time.perf_counter() - self.started, self.tokens,
+              error_text(error) if error is not None else None)
 
 
 class GenerateUser(FastHttpUser):
@@ -92,16 +159,19 @@ class GenerateUser(FastHttpUser):
 
     @task
     def generate(self):
-        request = _workload_for(self.environment).next_request()
-        with self.client.post(f"/v2/models/{MODEL}/generate", json=request, name="generate",
-                              catch_response=True) as response:
+        with self.client.post(f"/v2/models/{MODEL}/generate", json=_triton_request(self.environment),
+                              name="generate", catch_response=True) as response:
             try:
-                reply = response.json()
-            except Exception:  # noqa: BLE001 - Locust records the failure
-                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                reply = json.loads(response.content or b"{}")
+            except ValueError:
+                reply = {}
+            if response.status_code == 200 and "text_output" in reply:
+                response.request_meta["response_length"] = int(reply["num_output_tokens"])
                 return
-            if "text_output" not in reply:
-                response.failure(reply.get("error", "no text_output"))
+            # status 0: no answer at all (the connection failed)
+            response.failure(http_error_text(response.status_code, response.content) if response.status_code
+                             else error_text(response.error))
+        gevent.sleep(FAILURE_BACKOFF_S)
 
 
 class StreamUser(User):
@@ -119,19 +189,15 @@ class StreamUser(User):
     @task
     def generate_stream(self):
         timer = _StreamTimer(self.environment, "SSE", "generate_stream")
-        body = json.dumps({**_workload_for(self.environment).next_request(), "stream": True})
+        body = json.dumps({**_triton_request(self.environment), "stream": True})
         try:
             self.connection.request("POST", f"/v2/models/{MODEL}/generate_stream", body,
                                     {"Content-Type": "application/json"})
             response = self.connection.getresponse()
             if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-            for line in response:
-                if line.startswith(b"data:"):
-                    event = json.loads(line[5:])
-                    if "error" in event:
-                        raise RuntimeError(event["error"])
-                    timer.on_delta(event["text_output"], int(event["output_token_count"]))
+                raise RequestFailed(http_error_text(response.status, response.read()))
+            for event in sse_events(response):
+                timer.on_delta(event["text_output"], int(event["num_output_tokens"]))
         except Exception as error:  # noqa: BLE001 - recorded as a failure
             self.connection.close()  # reconnects on the next request
             timer.done(error)
@@ -143,17 +209,46 @@ class StreamUser(User):
 class GrpcStreamUser(User):
     wait_time = constant(0)
 
+    @staticmethod
+    def grpc_url(environment) -> str:
+        return environment.parsed_options.grpc_url or grpc_url_from_host(environment.host)
+
+    @classmethod
+    def check_endpoint(cls, environment) -> None:
+        url = cls.grpc_url(environment)
+        try:
+            check_grpc(url, MODEL)
+        except EndpointError as error:
+            if environment.parsed_options.grpc_url:
+                raise
+            raise EndpointError(f"{error} (derived from --host {environment.host}: its port + 1; "
+                                "pass --grpc-url HOST:PORT)") from None
+
     def on_start(self):
         import tritonclient.grpc as grpcclient
 
         self.grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(self.environment.parsed_options.grpc_url)
-        self.responses = gevent.queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.client = grpcclient.InferenceServerClient(self.grpc_url(self.environment))
+        self._start_stream()
+
+    def _start_stream(self):
+        """A stream and its own queue. After a failure the stream is replaced: a broken stream fails every later
+        request with a client-side message, and a failed request's late responses must not reach the next one."""
+        self.responses = responses = gevent.queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+
+    def _queued_error(self):
+        """The error the callback received, if any: a broken stream's cause (async_stream_infer only says the
+        stream is "no longer in valid state")."""
+        while not self.responses.empty():
+            _, error = self.responses.get_nowait()
+            if error is not None:
+                return error
+        return None
 
     def on_stop(self):
         self.client.stop_stream(cancel_requests=True)  # a request still in flight would block the stream's reader
-        self.client.close()
+        del self.client  # closed once, by its __del__: a second close() can hang grpcio under gevent (check_grpc)
 
     @task
     def grpc_stream(self):
@@ -161,20 +256,81 @@ class GrpcStreamUser(User):
 
         timer = _StreamTimer(self.environment, "gRPC", "grpc_stream")
         try:
-            request = {**_workload_for(self.environment).next_request(), "stream": True}
+            request = {**_triton_request(self.environment), "stream": True}
             self.client.async_stream_infer(MODEL, triton_inputs(self.grpc, request), enable_empty_final_response=True)
             while True:
                 result, error = self.responses.get(timeout=600)
                 if error is not None:
-                    raise RuntimeError(str(error))
+                    raise RequestFailed(error_text(error))
                 text = result.as_numpy("text_output")
                 if text is not None:
                     value = text.reshape(-1)[0]
                     timer.on_delta(value.decode() if isinstance(value, bytes) else str(value),
-                                   int(result.as_numpy("output_token_count").reshape(-1)[0]))
+                                   int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
         except Exception as error:  # noqa: BLE001 - recorded as a failure
+            timer.done(self._queued_error() or error)
+            self.client.stop_stream(cancel_requests=True)
+            self._start_stream()
+            gevent.sleep(FAILURE_BACKOFF_S)
+            return
+        timer.done()
+
+
+_model_ids: dict[str, str] = {}  # OpenAI service URL -> the first id of its /v1/models
+
+
+class ChatStreamUser(User):
+    """Streamed chat completions from the OpenAI-compatible service, over a kept-alive http.client connection."""
+
+    wait_time = constant(0)
+
+    @staticmethod
+    def openai_url(environment) -> str:
+        return (environment.parsed_options.openai_url or openai_url_from_host(environment.host)).rstrip("/")
+
+    @classmethod
+    def check_endpoint(cls, environment) -> None:
+        url = cls.openai_url(environment)
+        try:
+            _model_ids[url] = first_model_id(url)
+        except EndpointError as error:
+            raise EndpointError(f"{error}; pass --openai-url, start the service (python -m scripts.openai_server), "
+                                "or name the users to run without it") from None
+
+    @classmethod
+    def model_id(cls, environment) -> str:
+        """--model, else the first id of the service's GET /v1/models, asked once."""
+        url = cls.openai_url(environment)
+        if not environment.parsed_options.model and url not in _model_ids:
+            _model_ids[url] = first_model_id(url)
+        return environment.parsed_options.model or _model_ids[url]
+
+    def on_start(self):
+        url = urlsplit(self.openai_url(self.environment))
+        self.base_path = url.path
+        self.connection = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
+        self.model = self.model_id(self.environment)
+
+    def on_stop(self):
+        self.connection.close()
+
+    @task
+    def chat_stream(self):
+        timer = _StreamTimer(self.environment, "SSE", "chat_stream")
+        body = json.dumps(chat_request(_workload_for(self.environment).next_request(), self.model))
+        try:
+            self.connection.request("POST", f"{self.base_path}/v1/chat/completions", body,
+                                    {"Content-Type": "application/json"})
+            response = self.connection.getresponse()
+            if response.status != 200:
+                raise RequestFailed(http_error_text(response.status, response.read()))
+            for content, tokens in chat_deltas(sse_events(response)):
+                timer.on_delta(content, tokens)
+            response.read()  # what follows "data: [DONE]", so that the connection can carry the next request
+        except Exception as error:  # noqa: BLE001 - recorded as a failure
+            self.connection.close()  # reconnects on the next request
             timer.done(error)
             gevent.sleep(FAILURE_BACKOFF_S)
             return

@@ -7,9 +7,10 @@ plots and a Markdown report naming the best configuration within a latency budge
 
 Each (max_batch_size, strategy) is applied to the running server without a restart (explicit model control: the
 llm model is loaded again with a config override). For each concurrency level, Locust runs headless for --duration
-seconds with that many users (each sends its next request when the previous answer is complete). Latency, TTFT
-and ITL come from Locust's own CSV; output tokens/s from the llm model's token counter; queue times and batch sizes
-from Triton's statistics API and the engine's batch-size histogram.
+seconds with that many users (each sends its next request when the previous answer is complete); with
+`--user ChatStreamUser` the sweep also starts the OpenAI-compatible service (scripts/openai_server.py) in front of its
+server. Latency, TTFT and ITL come from Locust's own CSV; output tokens/s from the llm model's token counter; queue
+times and batch sizes from Triton's statistics API and the engine's batch-size histogram.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from loadtests.workload import DEFAULT_PROMPTS, MaxTokens
 from scripts.model_control import SERVED_MODELS, reload_llm
 from scripts.server_metrics import read_metrics
-from scripts.triton_server import PROJECT_ROOT, running_server
+from scripts.triton_server import PROJECT_ROOT, Ports, running_server
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-ENTRIES = {"StreamUser": "generate_stream", "GrpcStreamUser": "grpc_stream"}
+ENTRIES = {"StreamUser": "generate_stream", "GrpcStreamUser": "grpc_stream", "ChatStreamUser": "chat_stream"}
 STOP_TIMEOUT_S = 60
 
 
@@ -68,17 +70,59 @@ def locust_rows(prefix: Path) -> dict[str, dict[str, str]]:
 
 
 def run_locust(prefix: Path, user: str, concurrency: int, duration_s: float, http: str, grpc: str,
-               max_tokens: str, prompts: Path) -> None:
+               max_tokens: str, prompts: Path, openai_url: str | None = None) -> None:
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), user, "--headless", "--only-summary",
                "-u", str(concurrency), "-r", str(concurrency), "-t", f"{duration_s:g}s", "--host", f"http://{http}",
                "--grpc-url", grpc, "--csv", str(prefix), "--max-tokens", max_tokens, "--prompts", str(prompts),
                # When the time is up, users finish the request they are waiting for, so that slow requests are
                # measured instead of dropped (a cut-off cell would report only the requests fast enough to finish).
                "--stop-timeout", str(STOP_TIMEOUT_S), "--loglevel", "WARNING"]
+    if openai_url:
+        command += ["--openai-url", openai_url]
     result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=duration_s + STOP_TIMEOUT_S + 120)
-    if result.returncode not in (0, 1):  # 1: some requests failed; they are counted in the CSV
+    if result.returncode not in (0, 1):  # 1: some requests failed; they are counted in the CSV. 2: no endpoint
         raise RuntimeError(f"locust exited with {result.returncode}: {result.stderr[-2000:]}")
+
+
+@contextmanager
+def openai_service(grpc_port: int, log_path: Path, model_dir: Path | None = None, timeout_s: float = 120):
+    """The OpenAI-compatible service (scripts/openai_server.py) in front of a local server, on a free port; yields
+    its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
+    from python_backend.model_files import MODEL_DIR_ENV
+
+    port = Ports.free().http
+    model_dir = model_dir or Path(os.environ.get(MODEL_DIR_ENV) or PROJECT_ROOT / "build" / "model")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url",
+                                    f"127.0.0.1:{grpc_port}", "--model-dir", str(model_dir), "--port", str(port),
+                                    "--log-level", "warning"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_http(f"{url}/v1/models", process, timeout_s)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_for_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[2]} exited with code {process.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.25)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
 def triton_stats(http: str) -> dict[str, dict]:
@@ -105,13 +149,13 @@ def wait_idle(metrics: str, timeout_s: float = 120) -> None:
     log("WARNING: the engine did not drain before the next cell")
 
 
-def measure_cell(strategy, batch_size, concurrency, args, ports, cell_dir) -> Cell:
+def measure_cell(strategy, batch_size, concurrency, args, ports, cell_dir, openai_url=None) -> Cell:
     http, grpc, metrics = (f"127.0.0.1:{p}" for p in (ports.http, ports.grpc, ports.metrics))
     wait_idle(metrics)
     stats_before, engine_before = triton_stats(http), read_metrics(metrics, strategy=strategy)
     prefix = cell_dir / f"{strategy}-bs{batch_size}-c{concurrency}"
     started = time.monotonic()
-    run_locust(prefix, args.user, concurrency, args.duration, http, grpc, args.max_tokens, args.prompts)
+    run_locust(prefix, args.user, concurrency, args.duration, http, grpc, args.max_tokens, args.prompts, openai_url)
     elapsed = time.monotonic() - started
     stats_after, engine_after = triton_stats(http), read_metrics(metrics, strategy=strategy)
     rows = locust_rows(prefix)
@@ -302,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cells: list[Cell] = []
     log(f"{total} cells, about {total * (args.duration + 8) / 60:.1f} min; starting tritonserver")
-    with running_server(log_path=args.output / "server.log", explicit_models=SERVED_MODELS) as ports:
+    with running_server(log_path=args.output / "server.log", explicit_models=SERVED_MODELS) as ports, \
+            (openai_service(ports.grpc, args.output / "openai.log") if args.user == "ChatStreamUser"
+             else nullcontext()) as openai_url:
         for strategy in strategies:
             for batch_size in batch_sizes:
                 reload_llm(f"127.0.0.1:{ports.http}", max_batch_size=batch_size, batching_strategy=strategy,
                            static_batch_size=batch_size)
                 for concurrency in levels:
-                    cell = measure_cell(strategy, batch_size, concurrency, args, ports, cell_dir)
+                    cell = measure_cell(strategy, batch_size, concurrency, args, ports, cell_dir, openai_url)
                     cells.append(cell)
                     log(f"[{len(cells)}/{total}] {strategy:10s} bs={batch_size:<3d} c={concurrency:<3d} "
                         f"{cell.output_tokens_per_s:6.1f} tok/s  p95 {cell.latency_p95_s:5.2f} s  "

@@ -1,5 +1,6 @@
-"""The load tests' workload: prompts from a JSONL file and a max_tokens distribution. No Locust import here, so the
-sweep, the perf_analyzer input writer and the tests share it."""
+"""The load tests' workload: prompts from a JSONL file and a max_tokens distribution, as ensemble inputs or as the same
+request to an OpenAI-compatible chat endpoint. No Locust import here, so the sweep, the perf_analyzer input writer
+and the tests share it."""
 
 from __future__ import annotations
 
@@ -57,5 +58,14 @@ class Workload:
         self.rng = random.Random(seed)
 
     def next_request(self) -> dict:
+        """Ensemble inputs. apply_chat_template is always sent: the ensemble's default is the raw prompt."""
         return {"text_input": self.rng.choice(self.prompts), "max_tokens": self.max_tokens.sample(self.rng),
                 "apply_chat_template": self.apply_chat_template}
+
+
+def chat_request(request: dict, model: str) -> dict:
+    """The same request as a streamed POST /v1/chat/completions body (the chat API always applies the template).
+    Greedy, as the ensemble is by default: OpenAI's default temperature is 1."""
+    return {"model": model, "messages": [{"role": "user", "content": request["text_input"]}],
+            "max_tokens": request["max_tokens"], "temperature": request.get("temperature", 0.0),
+            "stream": True, "stream_options": {"include_usage": True}}

@@ -5,7 +5,9 @@
 Used by `make serve` (foreground, stops on Ctrl-C / SIGTERM), the demo and the test fixtures. Run as a command it
 supervises the server (scripts/supervisor.py): readiness that sees dead model processes on the health port, and
 recovery without a person; `--no-supervise` runs tritonserver alone. `--tritonserver PATH` runs another build
-(NVIDIA's container) with its own backends and environment.
+(NVIDIA's container) with its own backends and environment. Beside the server it runs the OpenAI-compatible API
+(scripts/openai_server.py) on `--openai-port` (9000), pointed at the server's gRPC port and, when supervised, at the
+supervisor's readiness; `--no-openai` leaves it out. It stops with the server.
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, default=8003, help="the supervisor's /health/ready and /health/live")
     parser.add_argument("--no-supervise", action="store_true", help="run tritonserver alone: no recovery, no health port")
     parser.add_argument("--tritonserver", help="path of another tritonserver build (default: nvidia-pytriton's)")
+    parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible API's port")
+    parser.add_argument("--no-openai", action="store_true", help="do not run the OpenAI-compatible API")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
     return parser
 
@@ -213,13 +217,44 @@ def main(argv: list[str] | None = None) -> int:
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     env = dict(os.environ) if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)
-    if args.no_supervise:
-        command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
-                                 binary=args.tritonserver)
-        process = subprocess.Popen(command, env=env)
-        _on_stop_signal(lambda: process.send_signal(signal.SIGTERM))
-        return process.wait()
-    return _supervise(args, ports, env)
+    api = None if args.no_openai else subprocess.Popen(openai_command(args), cwd=PROJECT_ROOT)
+    try:
+        if args.no_supervise:
+            command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
+                                     binary=args.tritonserver)
+            process = subprocess.Popen(command, env=env)
+            _on_stop_signal(lambda: process.send_signal(signal.SIGTERM))
+            return process.wait()
+        return _supervise(args, ports, env)
+    finally:
+        if api is not None:
+            stop_openai(api)
+
+
+def openai_command(args: argparse.Namespace) -> list[str]:
+    """The OpenAI-compatible API beside the server: its gRPC port, and the supervisor's readiness when supervised."""
+    local = _local_address(args.address)
+    command = [sys.executable, "-m", "scripts.openai_server", "--triton-url", f"{local}:{args.grpc_port}",
+               "--host", args.address, "--port", str(args.openai_port)]
+    if not args.no_supervise:
+        command += ["--health-url", f"http://{local}:{args.health_port}/health/ready"]
+    return command
+
+
+def stop_openai(process: subprocess.Popen, timeout_s: float = 10) -> None:
+    """SIGTERM (uvicorn gives open streams a few seconds), then SIGKILL."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _local_address(address: str) -> str:
+    """Where this machine reaches a server bound to address."""
+    return "127.0.0.1" if address in ("0.0.0.0", "::") else address
 
 
 def _supervise(args, ports: Ports, env: dict[str, str]) -> int:
@@ -228,7 +263,7 @@ def _supervise(args, ports: Ports, env: dict[str, str]) -> int:
     models = all_models(args.model_repository)
     command = server_command(args.model_repository, ports, address=args.address, explicit_models=models,
                              extra_args=args.extra, binary=args.tritonserver)
-    local = "127.0.0.1" if args.address in ("0.0.0.0", "::") else args.address
+    local = _local_address(args.address)
     supervisor = Supervisor(lambda: subprocess.Popen(command, env=env), f"{local}:{ports.http}",
                             python_models(args.model_repository))
     stopped = threading.Event()

@@ -22,14 +22,33 @@ def test_dockerfile_copies_what_exists_and_points_at_the_model():
     assert "ENV TRITON_LLM_MODEL_DIR=" in text and "--model-repository=/opt/triton-llm/model_repository" in text
 
 
+def container_command(text: str) -> list[str]:
+    command = re.search(r'^CMD \[(.+?)\]$', text, re.M | re.S).group(1)
+    return [a.strip().strip('"') for a in command.replace("\\\n", " ").split(",")]
+
+
 def test_the_container_runs_the_supervisor_and_its_healthcheck_asks_it():
     from scripts.triton_server import build_parser
 
     text = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
-    command = re.search(r'^CMD \[(.+?)\]$', text, re.M | re.S).group(1)
-    args = [a.strip().strip('"') for a in command.replace("\\\n", " ").split(",")]
+    args = container_command(text)
     assert args[:3] == ["python3", "-m", "scripts.triton_server"]
     health_port = args[args.index("--health-port") + 1]
     assert f"127.0.0.1:{health_port}/health/ready" in text and f"EXPOSE 8000 8001 8002 {health_port}" in text
     parsed = build_parser().parse_args(args[3:])  # an unknown flag would exit here
     assert parsed.tritonserver and not parsed.no_supervise and parsed.address == "0.0.0.0"
+
+
+def test_the_container_ships_the_openai_api_that_its_command_runs():
+    """The serve command runs the OpenAI-compatible API unless told --no-openai: then the image must hold its code and
+    its libraries, and expose its port."""
+    from scripts.triton_server import build_parser
+
+    text = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
+    parsed = build_parser().parse_args(container_command(text)[3:])
+    if parsed.no_openai:
+        return
+    assert re.search(r"^COPY openai_api openai_api$", text, re.M)
+    assert re.search(rf"^EXPOSE .*\b{parsed.openai_port}\b", text, re.M)
+    serve = pins(PROJECT_ROOT / "docker" / "requirements-serve.txt")
+    assert {"fastapi", "uvicorn"} <= set(serve) and any(name.startswith("tritonclient") for name in serve), serve

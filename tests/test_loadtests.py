@@ -1,21 +1,34 @@
-"""Load-test tooling: the workload, the perf_analyzer / genai-perf inputs (checked against the running server's
-own metadata), and the --quick sweep end to end against a real server."""
+"""Load-test tooling: the workload, where the Locust users send their requests and what they record when one fails,
+the perf_analyzer / genai-perf inputs (checked against the running server's own metadata), Locust itself against the
+real server (and the OpenAI-compatible service when there is one), and the --quick sweep end to end."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import queue
 import random
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import pytest
 import tritonclient.http as httpclient
 
+from loadtests.endpoints import (EndpointError, RequestFailed, chat_deltas, error_text, grpc_url_from_host,
+                                 http_error_text, openai_url_from_host, sse_events)
 from loadtests.perf_inputs import (GENAI_PERF_FILE, PERF_ANALYZER_FILE, check_perf_analyzer_data,
                                    genai_perf_lines, main as perf_inputs_main)
-from loadtests.workload import MaxTokens, Workload, load_prompts
-from scripts.triton_server import PROJECT_ROOT
+from loadtests.workload import MaxTokens, Workload, chat_request, load_prompts
+from scripts.triton_server import PROJECT_ROOT, Ports
+
+LOCUSTFILE = PROJECT_ROOT / "loadtests" / "locustfile.py"
 
 
 def test_max_tokens_distributions():
@@ -49,6 +62,74 @@ def test_the_shipped_prompt_set_mixes_lengths_and_languages():
     assert request["max_tokens"] == 8 and request["text_input"]
 
 
+def test_the_workload_says_whether_to_apply_the_chat_template_and_speaks_openai():
+    # the ensemble's default is the raw prompt: the workload must ask for the template, and say so when it does not
+    prompts, eight = ["Hi"], MaxTokens.parse("fixed:8")
+    assert Workload(prompts, eight).next_request()["apply_chat_template"] is True
+    assert Workload(prompts, eight, apply_chat_template=False).next_request()["apply_chat_template"] is False
+    assert chat_request({"text_input": "Hi", "max_tokens": 8, "apply_chat_template": True}, "smol") == {
+        "model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.0,
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_endpoints_are_derived_from_host():
+    assert grpc_url_from_host("http://127.0.0.1:8000") == "127.0.0.1:8001"  # Triton's default ports
+    assert grpc_url_from_host("http://127.0.0.1:18600") == "127.0.0.1:18601"  # the same convention elsewhere
+    assert grpc_url_from_host("http://[::1]:9000/") == "[::1]:9001"
+    assert grpc_url_from_host("gpu-box:8000") == "gpu-box:8001"
+    with pytest.raises(EndpointError, match="names no port.*pass --grpc-url HOST:PORT"):
+        grpc_url_from_host("http://localhost")
+    with pytest.raises(EndpointError, match="pass --grpc-url"):
+        grpc_url_from_host(None)
+    assert openai_url_from_host("http://10.0.0.5:8000") == "http://10.0.0.5:9000"
+    assert openai_url_from_host("http://localhost") == "http://localhost:9000"
+
+
+def test_failures_carry_the_servers_message():
+    from tritonclient.utils import InferenceServerException
+
+    # built with keywords, as tritonclient.grpc does: its repr, which Locust records, was all a user saw
+    refused = InferenceServerException(msg="failed to connect to all addresses", status="StatusCode.UNAVAILABLE",
+                                       debug_details="details")
+    assert repr(refused) == "InferenceServerException()"
+    assert error_text(refused) == "UNAVAILABLE: failed to connect to all addresses"
+    assert error_text(InferenceServerException(msg=None, debug_details="only details")) == "only details"
+    assert error_text(InferenceServerException(msg=None)) == "InferenceServerException"
+    assert error_text(RequestFailed("HTTP 400: bad max_tokens")) == "HTTP 400: bad max_tokens"
+    assert error_text(KeyError("text_output")) == "KeyError: 'text_output'"
+    assert error_text(queue.Empty()) == "Empty"
+    assert http_error_text(400, b'{"error": "max_tokens must be >= 1"}') == "HTTP 400: max_tokens must be >= 1"
+    assert http_error_text(400, b'data: {"error": "text_input is empty"}\n\n') == "HTTP 400: text_input is empty"
+    assert http_error_text(503, b'{"error": {"message": "overloaded", "type": "server_error"}}') == \
+        "HTTP 503: overloaded"
+    assert http_error_text(502, b"<html>bad gateway</html>\n") == "HTTP 502: <html>bad gateway</html>"
+    assert http_error_text(500, b"") == "HTTP 500"
+
+
+def test_streamed_chat_chunks_count_one_token_each_and_add_up_to_the_usage():
+    def delta(content=None, finish=None, usage=None):
+        return {"choices": [{"index": 0, "delta": {} if content is None else {"content": content},
+                             "finish_reason": finish}], "usage": usage}
+
+    def sse(*chunks):
+        events = [json.dumps(c) for c in chunks] + ["[DONE]", json.dumps(delta("never read"))]
+        return [b": keep-alive\n"] + [f"data: {event}\n".encode() for event in events]
+
+    usage_chunk = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
+    lines = sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, delta("Hel"), delta("lo"),
+                delta(" 世界"), delta(finish="stop"), usage_chunk)
+    # three content chunks of one token each; the usage chunk carries what they did not (here the EOS token)
+    assert list(chat_deltas(sse_events(lines))) == [("Hel", 1), ("lo", 1), (" 世界", 1), ("", 1)]
+    # a server that reports usage on every chunk says how many tokens each carried
+    lines = sse(delta("Hel", usage={"completion_tokens": 2}), delta("lo", usage={"completion_tokens": 3}),
+                {"choices": [], "usage": {"completion_tokens": 3}})
+    assert list(chat_deltas(sse_events(lines))) == [("Hel", 2), ("lo", 1)]
+    with pytest.raises(RequestFailed, match="^the model is shutting down$"):
+        list(sse_events(sse(delta("a"), {"error": {"message": "the model is shutting down", "code": 503}})))
+    with pytest.raises(RequestFailed, match="^text_input is empty$"):  # Triton's generate_stream
+        list(sse_events([b'data: {"error": "text_input is empty"}\n']))
+
+
 def test_perf_inputs_follow_the_documented_formats_and_the_served_model(server, tmp_path):
     assert perf_inputs_main(["--output", str(tmp_path), "--count", "16"]) == 0
     data = json.loads((tmp_path / PERF_ANALYZER_FILE).read_text())
@@ -74,7 +155,7 @@ def quick_sweep(tmp_path_factory, model_dir):
     output = tmp_path_factory.mktemp("sweep")
     result = subprocess.run([sys.executable, "-m", "loadtests.sweep", "--quick", "--output", str(output)],
                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "TRITON_LLM_MODEL_DIR": str(model_dir)})
+                            env={**os.environ, "TRITON_LLM_MODEL_DIR": str(model_dir)})
     assert result.returncode == 0, result.stderr[-3000:]
     return output
 
@@ -107,3 +188,147 @@ def test_quick_sweep_writes_sane_results_plots_and_report(quick_sweep):
     by = {(c["strategy"], c["max_batch_size"]): c for c in cells}
     assert by[("continuous", 1)]["engine_mean_batch_size"] == 1
     assert by[("continuous", 8)]["engine_mean_batch_size"] > 2
+
+
+def _free_port_pair() -> int:
+    """A loopback port P with P + 1 free too, for a server laid out as Triton's convention (gRPC = HTTP + 1)."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with suppress(OSError):
+                second.bind(("127.0.0.1", port + 1))
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    with suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+@contextmanager
+def forwarding(routes: dict[int, int]):
+    """Forwards loopback ports to others, byte for byte (HTTP/1.1 and gRPC's HTTP/2 alike), while the block runs.
+    Yields cut(): closes the listeners and every connection, as a server that went away."""
+    listeners = [socket.create_server(("127.0.0.1", port)) for port in routes]
+    connections: list[socket.socket] = []
+
+    def accept(listener, target):
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", target))
+            except OSError:
+                return  # the listener was closed
+            connections.extend((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+    def cut():
+        for sock in listeners + connections:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    for listener, target in zip(listeners, routes.values()):
+        threading.Thread(target=accept, args=(listener, target), daemon=True).start()
+    try:
+        yield cut
+    finally:
+        cut()
+
+
+def run_locust(users: list[str], options: list[str], csv_prefix: Path, seconds: int = 4, count: int | None = None):
+    """Locust headless, one user of each class unless told; returns the process and its stats rows by name."""
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *users, "--headless", "--only-summary",
+               "-u", str(count or len(users)), "-r", str(count or len(users)), "-t", f"{seconds}s",
+               "--stop-timeout", "30", "--csv", str(csv_prefix), "--max-tokens", "fixed:8", "--loglevel", "WARNING",
+               *options]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=seconds + 120)
+    stats = Path(f"{csv_prefix}_stats.csv")
+    rows = {r["Name"]: r for r in csv.DictReader(stats.open())} if stats.exists() else {}
+    return result, rows
+
+
+def test_locust_needs_only_host_on_non_default_ports(server, tmp_path):
+    # What a new user types: only --host. The server answers on non-default ports that follow Triton's convention
+    # (gRPC = HTTP + 1, like 8000/8001), forwarded to the test server's own ports.
+    port = _free_port_pair()
+    with forwarding({port: server.http, port + 1: server.grpc}):
+        result, rows = run_locust(["GenerateUser", "StreamUser", "GrpcStreamUser"],
+                                  ["--host", f"http://127.0.0.1:{port}"], tmp_path / "locust")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("generate", "generate_stream", "generate_stream TTFT", "grpc_stream", "grpc_stream TTFT"):
+        assert int(rows[name]["Request Count"]) > 0 and rows[name]["Failure Count"] == "0", (name, rows.get(name))
+    for name in ("generate", "generate_stream", "grpc_stream"):  # the content size is the output tokens
+        assert 0 < float(rows[name]["Average Content Size"]) <= 8, rows[name]
+    assert rows["Aggregated"]["Failure Count"] == "0"
+
+
+def test_each_failure_locust_records_carries_the_servers_message(server, tmp_path):
+    prompts = tmp_path / "too_long.jsonl"
+    prompts.write_text(json.dumps({"text_input": "x" * 70_000}) + "\n")
+    result, _ = run_locust(["GenerateUser", "StreamUser", "GrpcStreamUser"],
+                           ["--host", f"http://127.0.0.1:{server.http}", "--grpc-url", f"127.0.0.1:{server.grpc}",
+                            "--prompts", str(prompts)], tmp_path / "locust", seconds=2)
+    assert result.returncode == 1, result.stderr[-3000:]  # Locust's exit code when requests failed
+    with open(tmp_path / "locust_failures.csv") as handle:
+        failures = {row["Name"]: row["Error"] for row in csv.DictReader(handle)}
+    assert set(failures) == {"generate", "generate_stream", "grpc_stream"}, failures
+    expected = "text_input is 70000 bytes, more than the limit of 65536"
+    assert f"HTTP 400: {expected}" in failures["generate"], failures  # recorded as CatchResponseError('...')
+    assert failures["generate_stream"] == f"HTTP 400: {expected}" and failures["grpc_stream"] == expected, failures
+
+
+def test_an_unreachable_grpc_endpoint_ends_locust_at_start(tmp_path):
+    port = _free_port_pair()  # nothing listens on port + 1
+    started = time.monotonic()
+    result, rows = run_locust(["GrpcStreamUser"], ["--host", f"http://127.0.0.1:{port}"], tmp_path / "locust",
+                              seconds=60)
+    assert result.returncode == 2 and time.monotonic() - started < 30, result.stderr[-3000:]
+    assert f"GrpcStreamUser: no Triton gRPC endpoint at 127.0.0.1:{port + 1}: UNAVAILABLE: " in result.stderr
+    assert f"(derived from --host http://127.0.0.1:{port}: its port + 1; pass --grpc-url HOST:PORT)" in result.stderr
+    assert int(rows.get("Aggregated", {}).get("Request Count", 0)) == 0
+
+
+def test_chat_stream_user_against_the_openai_service(server, model_dir, tmp_path):
+    pytest.importorskip("openai_api.app", reason="no OpenAI-compatible service (openai_api/app.py) to load-test")
+    from loadtests.sweep import openai_service
+
+    with openai_service(server.grpc, tmp_path / "openai.log", model_dir) as url:
+        result, rows = run_locust(["ChatStreamUser"], ["--openai-url", url], tmp_path / "locust", count=2)
+    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "openai.log").read_text()[-2000:]
+    for name in ("chat_stream", "chat_stream TTFT", "chat_stream ITL"):
+        assert int(rows[name]["Request Count"]) > 0 and rows[name]["Failure Count"] == "0", (name, rows.get(name))
+    assert 0 < float(rows["chat_stream"]["Average Content Size"]) <= 8  # usage.completion_tokens, max_tokens 8
+
+
+def test_a_grpc_stream_broken_mid_run_reports_its_cause(server, tmp_path):
+    # The server goes away under load: each failure says why, not the client's "the stream is no longer in valid
+    # state" (all that 432 failures in a row said once the first one had broken the stream).
+    stats = httpclient.InferenceServerClient(f"127.0.0.1:{server.http}")
+
+    def answered():
+        return stats.get_inference_statistics("ensemble")["model_stats"][0]["inference_stats"]["success"]["count"]
+
+    port, before, outcome = Ports.free().grpc, answered(), {}
+    with forwarding({port: server.grpc}) as cut:
+        locust = threading.Thread(target=lambda: outcome.update(result_and_rows=run_locust(
+            ["GrpcStreamUser"], ["--grpc-url", f"127.0.0.1:{port}"], tmp_path / "locust", seconds=8, count=2)))
+        locust.start()
+        deadline = time.monotonic() + 60
+        while answered() == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cut()
+        locust.join()
+    result, rows = outcome["result_and_rows"]
+    assert result.returncode == 1, result.stderr[-3000:]
+    with open(tmp_path / "locust_failures.csv") as handle:
+        errors = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(handle)}
+    assert sum(errors.values()) > 2, errors  # the requests in flight, and those sent after the cut
+    for error in errors:
+        assert re.match(r"[A-Z_]+: \S", error) and "no longer in valid state" not in error, errors

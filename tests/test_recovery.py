@@ -58,7 +58,7 @@ def supervised(model_dir, tmp_path_factory):
     ports, health_port = Ports.free(), Ports.free().http
     log = open(tmp_path_factory.mktemp("supervised") / "server.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.triton_server", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+        [sys.executable, "-m", "scripts.triton_server", "--no-openai", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
          "--metrics-port", str(ports.metrics), "--health-port", str(health_port)],
         env={**server_environment(), MODEL_DIR_ENV: str(model_dir)}, stdout=log, stderr=subprocess.STDOUT)
     server = Supervised(ports, health_port)

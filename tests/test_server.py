@@ -255,7 +255,7 @@ def test_client_cli_writes_jsonl(server, tmp_path):
 def test_serve_command_stops_cleanly_on_sigterm(model_dir):
     ports = Ports.free()
     process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.triton_server", "--http-port", str(ports.http),
+        [sys.executable, "-m", "scripts.triton_server", "--no-openai", "--http-port", str(ports.http),
          "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--health-port", str(Ports.free().http)],
         env={**server_environment(), "TRITON_LLM_MODEL_DIR": str(model_dir)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -1,12 +1,22 @@
 """The supervisor's start/stop without a real server (a stand-in process): a stop that comes while the server is
-still starting is an orderly stop, not a failure, and leaves no process behind."""
+still starting is an orderly stop, not a failure, and leaves no process behind. The serve command runs the
+OpenAI-compatible API beside the server, pointed at it, and stops it with the server."""
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
 
 from scripts.supervisor import Supervisor, python_models
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, Ports
+from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, PROJECT_ROOT, Ports, build_parser, openai_command
 
 
 def stand_in(started: list):
@@ -48,3 +58,59 @@ def test_a_stop_before_start_starts_nothing():
 
 def test_the_python_models_of_the_repository_are_watched():
     assert python_models(DEFAULT_MODEL_REPOSITORY) == ["ensemble", "ensemble_unary", "llm"]
+
+
+# --- the OpenAI-compatible API that `make serve` runs beside the server, with a stand-in tritonserver ---
+
+def stand_in_tritonserver(tmp_path) -> str:
+    """An executable that takes tritonserver's flags and serves nothing until it is stopped."""
+    path = tmp_path / "tritonserver"
+    path.write_text(f"#!{sys.executable}\nimport signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(300)\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def get(url: str) -> tuple[int | None, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except OSError:
+        return None, {}
+
+
+@pytest.mark.parametrize("supervised", [False, True])
+def test_the_serve_command_runs_the_openai_api_beside_the_server_and_stops_it(tmp_path, supervised):
+    ports, health_port, api_port = Ports.free(), Ports.free().http, Ports.free().http
+    command = [sys.executable, "-m", "scripts.triton_server", "--tritonserver", stand_in_tritonserver(tmp_path),
+               "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
+               "--health-port", str(health_port), "--openai-port", str(api_port)]
+    # A session of its own: whatever the command leaves behind is killed at the end, after the checks.
+    process = subprocess.Popen(command + ([] if supervised else ["--no-supervise"]), cwd=PROJECT_ROOT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while get(f"http://127.0.0.1:{api_port}/health/live")[0] != 200:
+            assert process.poll() is None and time.monotonic() < deadline, "the API did not come up"
+            time.sleep(0.25)
+        status, body = get(f"http://127.0.0.1:{api_port}/health/ready")
+        # Not ready: nothing serves gRPC. Its reasons name the server's gRPC port, and, supervised, the health URL.
+        assert status == 503 and f"127.0.0.1:{ports.grpc}" in body["reason"]
+        assert (f"127.0.0.1:{health_port}/health/ready" in body["reason"]) == supervised
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert get(f"http://127.0.0.1:{api_port}/health/live")[0] is None, "the API stopped with the server"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_the_api_is_pointed_at_the_servers_grpc_port_and_the_supervisors_readiness():
+    args = build_parser().parse_args(["--no-openai"])
+    assert args.no_openai and args.openai_port == 9000
+    command = openai_command(build_parser().parse_args(["--address", "0.0.0.0", "--grpc-port", "7001"]))
+    assert command[command.index("--triton-url") + 1] == "127.0.0.1:7001"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[command.index("--health-url") + 1] == "http://127.0.0.1:8003/health/ready"

@@ -153,8 +153,8 @@ def _llm_chunk(response, ids, finished):
     return LlmChunk(
         ids, finished, reason,
         None if logprobs is None else logprobs.reshape(-1).tolist(),
-        None if top is None else top.reshape(len(ids), -1).tolist(),
-        None if top_ids is None else top_ids.reshape(len(ids), -1).tolist(),
+        None if top is None or not ids else top.reshape(len(ids), -1).tolist(),
+        None if top_ids is None or not ids else top_ids.reshape(len(ids), -1).tolist(),
     )
 
 

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP service in front of Triton's ``ensemble`` model (FastAPI).
+
+POST /v1/completions and /v1/chat/completions (whole answers or SSE streams), GET /v1/models[/{id}], GET /health/ready
+and /health/live. A request is validated here as far as it can be (fields, model id, context length) before it reaches
+Triton; what only the ensemble can judge comes back tagged and keeps its status. A stream's 200 is sent only once
+every choice's first response is in, so an error the ensemble finds is still a real 400 or 503. Chat messages are
+rendered with the model's own chat template here, and the ensemble gets the rendered text as a raw prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from jinja2 import TemplateError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openai_api.errors import APIError, InvalidRequest, TooLarge, unknown_model
+from openai_api.generation import Choice, complete, first_pieces, stream_events
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs
+from openai_api.token_text import TokenTexts
+from openai_api.triton_backend import EnsembleRequest, TritonBackend
+from python_backend.model_files import SETTINGS_FILE, ModelSettings
+from python_backend.tokenization import PromptTokenizer
+
+log = logging.getLogger("openai_api")
+MAX_BODY_BYTES = 1 << 20  # the ensemble takes prompts of up to 64 KiB; this bounds the tokenization done here
+DISCONNECT_POLL_S = 0.2  # how often a request that has not answered yet looks whether its client is still there
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    triton_url: str = "127.0.0.1:8001"
+    model_dir: Path = Path("build/model")
+    served_model_name: str | None = None  # default: llm_settings.json's model_name
+    health_url: str | None = None  # e.g. the supervisor's http://127.0.0.1:8003/health/ready
+    default_max_tokens: int | None = None  # chat without max_tokens; default: the rest of the context
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Service:
+    def __init__(self, config: ServiceConfig):
+        settings = ModelSettings.load(config.model_dir)
+        self.config = config
+        self.model = config.served_model_name or settings.model_name
+        self.tokenizer = PromptTokenizer(config.model_dir)
+        self.vocab_size = len(self.tokenizer.tokenizer)
+        self.texts = TokenTexts(self.tokenizer.tokenizer)
+        self.backend = TritonBackend(config.triton_url, settings.max_position_embeddings)
+        self.created = int((Path(config.model_dir) / SETTINGS_FILE).stat().st_mtime)  # when the model was exported
+
+    def check_model(self, model: str) -> None:
+        if model != self.model:
+            raise unknown_model(model)
+
+    def model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "triton-llm"}
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a conversation, by the model's own chat template, ready for the assistant's turn."""
+        if not self.tokenizer.has_chat_template:
+            raise InvalidRequest("This model has no chat template: use /v1/completions", param="messages")
+        try:
+            return self.tokenizer.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as error:  # a template that refuses a conversation (roles out of order, ...)
+            raise InvalidRequest(f"The chat template refused the messages: {error}", param="messages") from None
+
+    async def problems(self) -> list[str]:
+        problems = await self.backend.problems()
+        if self.config.health_url:
+            problem = await asyncio.to_thread(_health_url_problem, self.config.health_url)
+            if problem:
+                problems.append(problem)
+        return problems
+
+    async def budget(self, prompt: str, param: str, max_tokens: int | None, default: int | None = None) -> int:
+        """max_tokens for this prompt: as asked (it must fit the context with the prompt), else the default (capped
+        by what is left), else what is left of the context."""
+        context = await self.backend.context_length()
+        prompt_tokens = len(self.tokenizer.encode(prompt, apply_chat_template=False))
+        left = context - prompt_tokens
+        if left < 1:
+            raise InvalidRequest(f"This model's maximum context length is {context} tokens. However, your prompt is "
+                                 f"{prompt_tokens} tokens.", param=param)
+        if max_tokens is None:
+            return left if default is None else min(default, left)
+        if max_tokens > left:
+            raise InvalidRequest(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        return max_tokens
+
+
+def _health_url_problem(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return None if response.status == 200 else f"{url} answered {response.status}"
+    except OSError as error:  # HTTPError (a 503) included
+        return f"{url}: {error}"
+
+
+def create_app(config: ServiceConfig) -> FastAPI:
+    service = Service(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await service.backend.close()
+
+    app = FastAPI(title="OpenAI-compatible API for Triton", lifespan=lifespan, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        body = {"error": {"message": str(error.detail), "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("request failed")
+        return JSONResponse(APIError(f"{type(error).__name__}: {error}").body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = parse_request(CompletionRequest, await read_body(request), service.vocab_size)
+        service.check_model(body.model)
+        budgets = [await service.budget(prompt, "prompt", body.completion_max_tokens) for prompt in body.prompt]
+        shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
+                      top_log_probs=body.logprobs or 0, **body.sampling())
+        n = body.choices_per_prompt
+        choices = [
+            Choice(p * n + j, p, service.backend.generate(
+                EnsembleRequest(prompt, max_tokens, seed=body.seed_of(j), **shared)),
+                CompletionLogprobs(service.texts) if body.logprobs is not None else None)
+            for p, (prompt, max_tokens) in enumerate(zip(body.prompt, budgets)) for j in range(n)
+        ]
+        return await respond(request, choices, CompletionFormat(service.model, body.include_usage), body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request), service.vocab_size)
+        service.check_model(body.model)
+        prompt = service.render_chat([m.template_message() for m in body.messages])
+        max_tokens = await service.budget(prompt, "messages", body.requested_max_tokens, config.default_max_tokens)
+        logprobs = bool(body.logprobs)
+        shared = dict(stream=bool(body.stream), log_probs=logprobs, top_log_probs=body.top_logprobs or 0,
+                      **body.sampling())
+        choices = [
+            Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, seed=body.seed_of(j), **shared)),
+                   ChatLogprobs(service.texts) if logprobs else None)
+            for j in range(body.choices_per_prompt)
+        ]
+        return await respond(request, choices, ChatFormat(service.model, body.include_usage), body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return service.model_card()
+
+    @app.get("/health/ready")
+    async def ready():
+        problems = await service.problems()
+        if problems:
+            return JSONResponse({"ready": False, "reason": "; ".join(problems)}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/health/live")
+    async def live():
+        return {"live": True}
+
+    return app
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise TooLarge(f"The request body is {declared} bytes, more than {MAX_BODY_BYTES}")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise TooLarge(f"The request body is {len(body)} bytes, more than {MAX_BODY_BYTES}")
+    return body
+
+
+async def respond(request: Request, choices: list[Choice], fmt, stream: bool | None) -> Response:
+    try:
+        if not stream:
+            return JSONResponse(await _unless_disconnected(request, complete(choices, fmt)))
+        firsts = await _unless_disconnected(request, first_pieces(choices))
+    except ClientGone:
+        return Response(status_code=499)
+    return EventStream(stream_events(choices, firsts, fmt), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class EventStream(StreamingResponse):
+    """Closes its events generator however the response ends (Starlette leaves it to the garbage collector when the
+    client's disconnect interrupts a send), so the generator's Triton streams are cancelled at once."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Awaits work, looking every DISCONNECT_POLL_S whether the client is gone; if it is, cancels the work (which
+    cancels its Triton streams) and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,143 @@
+"""OpenAI's response objects, built as plain dicts from the ensemble's Pieces: whole answers, stream chunks, usage and
+logprobs, for /v1/completions ("text_completion") and /v1/chat/completions ("chat.completion[.chunk]")."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from openai_api.token_text import TokenTexts
+from openai_api.triton_backend import Piece
+
+DONE = b"data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token it deems impossible; JSON has no -Infinity
+
+
+def sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+class Usage:
+    """prompt_tokens counts each prompt once (n choices of one prompt share it); completion_tokens adds up every
+    response of every choice."""
+
+    def __init__(self):
+        self._prompts: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, piece: Piece) -> None:
+        if piece.input_tokens is not None:
+            self._prompts[prompt_index] = piece.input_tokens
+        self.completion_tokens += piece.output_tokens
+
+    def as_dict(self) -> dict:
+        prompt_tokens = sum(self._prompts.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens}
+
+
+class CompletionLogprobs:
+    """Completions' logprobs of one choice: {tokens, token_logprobs, top_logprobs, text_offset}. top_logprobs holds, for
+    each token, the N most likely tokens and the chosen one (so up to N + 1 entries, as OpenAI returns them);
+    text_offset goes on from piece to piece."""
+
+    def __init__(self, texts: TokenTexts):
+        self._texts = texts
+        self._offset = 0
+
+    def format(self, piece: Piece) -> dict:
+        text = self._texts.text
+        tokens = [text(i) for i in piece.token_ids or []]
+        logprobs = [_finite(lp) for lp in piece.token_logprobs or []]
+        top = []
+        offsets = []
+        for t, token in enumerate(tokens):
+            entries = ({text(i): _finite(lp) for i, lp in zip(piece.top_ids[t], piece.top_logprobs[t])}
+                       if piece.top_ids else {})
+            entries.setdefault(token, logprobs[t])
+            top.append(entries)
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+class ChatLogprobs:
+    """Chat's logprobs of one choice: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
+    def __init__(self, texts: TokenTexts):
+        self._texts = texts
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self._texts.text(token_id), "logprob": _finite(logprob), "bytes": self._texts.bytes(token_id)}
+
+    def format(self, piece: Piece) -> dict:
+        content = []
+        for t, (token_id, logprob) in enumerate(zip(piece.token_ids or [], piece.token_logprobs or [])):
+            entry = self._entry(token_id, logprob)
+            entry["top_logprobs"] = ([self._entry(i, lp) for i, lp in zip(piece.top_ids[t], piece.top_logprobs[t])]
+                                     if piece.top_ids else [])
+            content.append(entry)
+        return {"content": content}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf and NaN too
+
+
+class _Format:
+    """What the two endpoints share: ids, the envelope, usage."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+    def __init__(self, model: str, include_usage: bool = False):
+        self.id = self.id_prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def body(self, choices: list[dict], usage: Usage) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage.as_dict()}
+
+    def chunk(self, choice: dict) -> dict:
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                 "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage.as_dict()}
+
+
+class CompletionFormat(_Format):
+    id_prefix = "cmpl-"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def choice(self, index: int, piece: Piece, logprobs: dict | None) -> dict:
+        return {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    def chunk_choice(self, index: int, piece: Piece, logprobs: dict | None, first: bool) -> dict:
+        return self.choice(index, piece, logprobs)
+
+
+class ChatFormat(_Format):
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def choice(self, index: int, piece: Piece, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": piece.text}, "logprobs": logprobs,
+                "finish_reason": piece.finish_reason}
+
+    def chunk_choice(self, index: int, piece: Piece, logprobs: dict | None, first: bool) -> dict:
+        """The first chunk of each choice carries the role; the last one the finish_reason."""
+        delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+        if piece.finish_reason is not None and not first and not piece.text:
+            delta = {}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}

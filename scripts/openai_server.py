@@ -1,0 +1,56 @@
+"""Run the OpenAI-compatible API (openai_api/) in front of a running tritonserver.
+
+    python -m scripts.openai_server --triton-url 127.0.0.1:8001 --model-dir build/model --port 9000
+
+`make serve` starts it beside tritonserver (scripts/triton_server.py, `--openai-port`, `--no-openai`). Stops on
+Ctrl-C / SIGTERM (open streams get a few seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from python_backend.model_files import MODEL_DIR_ENV
+
+DEFAULT_PORT = 9000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="OpenAI-compatible HTTP API in front of Triton's ensemble model.")
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver's gRPC host:port")
+    parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(MODEL_DIR_ENV, "build/model")),
+                        help=f"the exported model folder: tokenizer, chat template (default: ${MODEL_DIR_ENV} or "
+                             "build/model)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--served-model-name", help="the model id clients use (default: llm_settings.json's)")
+    parser.add_argument("--health-url", help="also required to answer 200 for /health/ready (the supervisor's)")
+    parser.add_argument("--default-max-tokens", type=int,
+                        help="chat requests without max_tokens (default: the rest of the context)")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise SystemExit("--default-max-tokens must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import uvicorn
+
+    from openai_api.app import ServiceConfig, create_app
+
+    app = create_app(ServiceConfig(triton_url=args.triton_url, model_dir=args.model_dir,
+                                   served_model_name=args.served_model_name, health_url=args.health_url,
+                                   default_max_tokens=args.default_max_tokens))
+    print(f"openai api: http://{args.host}:{args.port}/v1 -> Triton gRPC {args.triton_url}", flush=True)
+    # No access log: one line per request on a 2-core machine that also runs the model.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

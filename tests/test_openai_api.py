@@ -1,0 +1,402 @@
+"""The OpenAI-compatible service (scripts/openai_server.py) against the real tritonserver and model, driven by the
+official `openai` client: answers equal transformers', streams equal whole answers, usage equals the tokenizer's
+counts, logprobs equal transformers' log-softmax, errors have OpenAI's shape and status, and a client that leaves
+frees its sequence in the engine."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from openai_api.app import ServiceConfig, create_app
+from scripts.server_metrics import read_metrics
+from scripts.triton_server import PROJECT_ROOT, Ports
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The capital of France is"
+CHAT = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Name a primary color."},
+    {"role": "assistant", "content": "Red."},
+    {"role": "user", "content": "Name another one."},
+]
+MAX_TOKENS = 12
+# A cancelled request stops within a few engine steps; the bound leaves room for a loaded machine and stays far
+# below the LONG request's max_tokens.
+LEFTOVER_TOKENS = 50
+LONG = 1000
+
+
+# --- fixtures ---
+
+@pytest.fixture(scope="module")
+def service(server, model_dir, tmp_path_factory):
+    """The service as `make serve` runs it, on a free port, pointed at the session's tritonserver."""
+    port = Ports.free().http
+    log_path = tmp_path_factory.mktemp("openai") / "service.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scripts.openai_server", "--triton-url", f"127.0.0.1:{server.grpc}",
+         "--model-dir", str(model_dir), "--port", str(port)],
+        cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(port):
+            assert process.poll() is None, f"the service exited: {log_path.read_text()}"
+            assert time.monotonic() < deadline, "the service was not ready in time"
+            time.sleep(0.25)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+        print(f"service log: {log_path}")
+
+
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{service}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(settings):
+    return settings["model_name"]
+
+
+def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
+    eos = settings["eos_token_ids"]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0])
+    new = out[0, len(ids):].tolist()
+    stops = [i for i, t in enumerate(new) if t in eos]
+    return new[: stops[0]] if stops else new
+
+
+def hf_logprobs(hf_model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at each generated position: [len(new_ids), vocabulary]."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + new_ids])).logits[0]
+    return torch.log_softmax(logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(new_ids)].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def raw_reference(hf_model, tokenizer, settings):
+    """(prompt ids, greedy new ids) of PROMPT as a raw prompt."""
+    ids = tokenizer.encode(PROMPT, apply_chat_template=False)
+    return ids, hf_greedy(hf_model, settings, ids, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def chat_reference(hf_model, tokenizer, settings):
+    ids = list(tokenizer.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+    return ids, hf_greedy(hf_model, settings, ids, MAX_TOKENS)
+
+
+def metrics(server) -> dict[str, float]:
+    return read_metrics(f"127.0.0.1:{server.metrics}", model="llm", strategy="continuous")
+
+
+def wait_for(condition, timeout_s: float = 60) -> None:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        time.sleep(0.02)
+
+
+def wait_idle(server, timeout_s: float = 60) -> tuple[float, dict[str, float]]:
+    """Seconds until the engine runs and holds nothing, and the metrics then."""
+    started = time.monotonic()
+    while True:
+        values = metrics(server)
+        if values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0:
+            return time.monotonic() - started, values
+        assert time.monotonic() - started < timeout_s, f"still running after {timeout_s} s: {values}"
+        time.sleep(0.02)
+
+
+# --- answers ---
+
+def test_greedy_completion_equals_transformers_and_usage_counts_the_tokens(client, model, raw_reference, tokenizer):
+    prompt_ids, new_ids = raw_reference
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-") and answer.model == model
+    [choice] = answer.choices
+    assert choice.text == tokenizer.decode(new_ids)
+    assert choice.finish_reason == ("length" if len(new_ids) == MAX_TOKENS else "stop")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt_ids), len(new_ids))
+    assert answer.usage.total_tokens == len(prompt_ids) + len(new_ids)
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, model):
+    request = dict(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    whole = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert len(text_chunks) > 1 and all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + [
+        whole.choices[0].finish_reason]
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert all(c.usage is None for c in client.completions.create(**request, stream=True))
+
+
+def test_a_list_of_prompts_gives_a_choice_each_and_echo_starts_with_the_prompt(client, model):
+    prompts = [PROMPT, "2 + 2 ="]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    both = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + alone[0].choices[0].text
+
+
+def test_chat_over_several_turns_equals_transformers_on_the_chat_template(client, model, chat_reference, tokenizer):
+    prompt_ids, new_ids = chat_reference
+    answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    [choice] = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(new_ids)
+    assert choice.finish_reason == ("length" if len(new_ids) == MAX_TOKENS else "stop")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt_ids), len(new_ids))
+
+
+def test_streamed_chat_equals_the_whole_answer_logprobs_included(client, model):
+    request = dict(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    streamed = [entry for c in chunks if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert streamed == whole.choices[0].logprobs.content
+
+
+def test_the_default_chat_max_tokens_is_the_rest_of_the_context(client, model):
+    """No max_tokens: the answer runs to its end (EOS), which a 16-token default would cut."""
+    answer = client.chat.completions.create(model=model, temperature=0,
+                                            messages=[{"role": "user", "content": "Write a haiku about the sea."}])
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens > 16
+
+
+def test_n_seeded_choices_differ_repeat_and_choice_i_uses_seed_plus_i(client, model):
+    request = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0)
+    first = client.completions.create(**request, n=3, seed=7)
+    again = client.completions.create(**request, n=3, seed=7)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) > 1, texts
+    alone = [client.completions.create(**request, seed=7 + i) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone]
+    assert first.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert first.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chat = client.chat.completions.create(model=model, messages=CHAT[1:2], max_tokens=6, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_cuts_the_text_before_the_stop_string(client, model, raw_reference, tokenizer):
+    full = tokenizer.decode(raw_reference[1])
+    stop = full.split()[2]  # a word inside the greedy answer
+    for stream in (False, True):
+        request = dict(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop, "never seen"])
+        if stream:
+            chunks = list(client.completions.create(**request, stream=True))
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.completions.create(**request).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert (text, finish) == (full[: full.index(stop)], "stop"), (stream, stop, full)
+
+
+def test_max_tokens_reached_is_length(client, model):
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
+
+
+def test_logit_bias_reaches_the_model(client, model, raw_reference):
+    first = raw_reference[1][0]
+    biased = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logprobs=0, logit_bias={str(first): -100})
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    assert biased.choices[0].text != plain.choices[0].text
+    assert biased.choices[0].logprobs.tokens[0] != plain.choices[0].logprobs.tokens[0]
+
+
+# --- logprobs ---
+
+def test_completion_logprobs_equal_transformers_log_softmax(client, model, hf_model, raw_reference, tokenizer):
+    prompt_ids, new_ids = raw_reference
+    expected = hf_logprobs(hf_model, prompt_ids, new_ids)
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=3)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.tokenizer.decode([i]) for i in new_ids]
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(new_ids))]
+    for t, token_id in enumerate(new_ids):
+        assert logprobs.token_logprobs[t] == pytest.approx(expected[t, token_id].item(), abs=1e-3)
+        top = torch.topk(expected[t], 3)
+        want = {tokenizer.tokenizer.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+        got = logprobs.top_logprobs[t]
+        assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], abs=1e-3) for k in want)
+        assert got[logprobs.tokens[t]] == logprobs.token_logprobs[t]
+
+
+def test_chat_logprobs_equal_transformers_log_softmax(client, model, hf_model, chat_reference, tokenizer):
+    prompt_ids, new_ids = chat_reference
+    expected = hf_logprobs(hf_model, prompt_ids, new_ids)
+    hf = tokenizer.tokenizer
+    answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=5)
+    content = answer.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [hf.decode([i]) for i in new_ids]
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == answer.choices[0].message.content
+    for t, (entry, token_id) in enumerate(zip(content, new_ids)):
+        assert entry.logprob == pytest.approx(expected[t, token_id].item(), abs=1e-3)
+        top = torch.topk(expected[t], 5)
+        assert [e.token for e in entry.top_logprobs] == [hf.decode([i]) for i in top.indices.tolist()]
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-3)
+        assert next(e.logprob for e in entry.top_logprobs if e.token == entry.token) == entry.logprob
+
+
+# --- errors ---
+
+def error_of(caught) -> dict:
+    body = caught.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_requests_get_openai_shaped_errors(client, model, service):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"foo": 1})
+    assert error_of(caught)["param"] == "foo"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, temperature=5)
+    assert error_of(caught)["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert error_of(caught)["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="Hi", max_tokens=4000)
+    assert error_of(caught)["param"] == "max_tokens" and "context length" in error_of(caught)["message"]
+    connection = http.client.HTTPConnection("127.0.0.1", service, timeout=30)
+    connection.request("POST", "/v1/chat/completions", body=b'{"model": "x", "messages": [',
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 400 and json.loads(response.read())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_only_the_ensemble_refuses_is_a_real_400(client, model, stream):
+    """The ensemble's own limit (256 bytes a stop string) comes back tagged: a 400, before any stream starts."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        answer = client.completions.create(model=model, prompt="Hi", max_tokens=2, stop=["x" * 300], stream=stream)
+        list(answer) if stream else None
+    assert "stop" in error_of(caught)["message"]
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+# --- clients that leave ---
+
+def long_request(model) -> dict:
+    """Runs to LONG tokens unless cancelled: greedy, and the end-of-text tokens banned."""
+    return dict(model=model, prompt="Tell me a very long story about a dragon.", max_tokens=LONG, temperature=0,
+                logit_bias={"0": -100, "2": -100})
+
+
+def test_a_streaming_client_that_disconnects_frees_its_sequence(client, model, server):
+    _, before = wait_idle(server)
+    stream = client.completions.create(**long_request(model), stream=True, stream_options={"include_usage": True})
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    wait_for(lambda: metrics(server)["llm_running_sequences"] == 1)  # the engine reports after handing out tokens
+    stream.close()
+    took, after = wait_idle(server)
+    generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
+    print(f"streaming client gone: sequence freed {took:.2f} s later, {generated:.0f} tokens generated in all")
+    assert generated <= LEFTOVER_TOKENS, "generation stops soon after the client leaves"
+
+
+def test_a_waiting_non_streaming_client_that_gives_up_frees_its_sequence(model, server, service):
+    _, before = wait_idle(server)
+    impatient = openai.OpenAI(base_url=f"http://127.0.0.1:{service}/v1", api_key="x", max_retries=0, timeout=2)
+    gave_up = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(**long_request(model))
+    gave_up = time.monotonic() - gave_up
+    took, after = wait_idle(server)
+    generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
+    print(f"non-streaming client gone after {gave_up:.1f} s: sequence freed {took:.2f} s later, "
+          f"{generated:.0f} tokens generated in all")
+    assert generated < LONG, "the request was cancelled before its end"
+
+
+# --- models and health ---
+
+def test_models_list_the_served_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+class HealthStub:
+    """A stand-in for the supervisor's /health/ready: answers `status`."""
+
+    def __init__(self):
+        self.status = 503
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(stub.status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/health/ready"
+
+
+def test_ready_needs_triton_its_models_and_the_health_url(server, model_dir, service):
+    assert ready(service)
+    stub = HealthStub()
+    try:
+        app = create_app(ServiceConfig(triton_url=f"127.0.0.1:{server.grpc}", model_dir=model_dir,
+                                       health_url=stub.url))
+        with TestClient(app) as local:
+            response = local.get("/health/ready")
+            assert response.status_code == 503 and stub.url in response.json()["reason"]
+            stub.status = 200
+            assert local.get("/health/ready").status_code == 200
+            assert local.get("/health/live").status_code == 200
+    finally:
+        stub.server.shutdown()
