@@ -23,14 +23,15 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from loadtests.workload import DEFAULT_PROMPTS, MaxTokens
 from scripts.model_control import SERVED_MODELS, reload_llm
+from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
-from scripts.triton_server import PROJECT_ROOT, Ports, running_server
+from scripts.triton_server import PROJECT_ROOT, running_server
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 ENTRIES = {"StreamUser": "generate_stream", "GrpcStreamUser": "grpc_stream", "ChatStreamUser": "chat_stream"}
@@ -85,44 +86,13 @@ def run_locust(prefix: Path, user: str, concurrency: int, duration_s: float, htt
         raise RuntimeError(f"locust exited with {result.returncode}: {result.stderr[-2000:]}")
 
 
-@contextmanager
 def openai_service(grpc_port: int, log_path: Path, model_dir: Path | None = None, timeout_s: float = 120):
-    """The OpenAI-compatible service (scripts/openai_server.py) in front of a local server, on a free port; yields
-    its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
+    """The OpenAI-compatible service (scripts/openai_server.py) in front of a local server, on a free port; a context
+    that yields its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
     from python_backend.model_files import MODEL_DIR_ENV
 
-    port = Ports.free().http
     model_dir = model_dir or Path(os.environ.get(MODEL_DIR_ENV) or PROJECT_ROOT / "build" / "model")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url",
-                                    f"127.0.0.1:{grpc_port}", "--model-dir", str(model_dir), "--port", str(port),
-                                    "--log-level", "warning"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for_http(f"{url}/v1/models", process, timeout_s)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_for_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[2]} exited with code {process.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.25)
-    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+    return running_openai_api(f"127.0.0.1:{grpc_port}", model_dir, log_path, timeout_s, log_level="warning")
 
 
 def triton_stats(http: str) -> dict[str, dict]:

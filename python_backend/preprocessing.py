@@ -69,9 +69,10 @@ class Preprocessor:
             "return_log_probs": np.asarray([return_log_probs], np.bool_),
             "num_top_log_probs": np.asarray([top], np.int32),
         }
-        for name in ("logit_bias_ids", "logit_bias_values"):  # checked against the vocabulary by the llm model
-            if get(name) is not None:
-                llm_inputs[name] = np.asarray(get(name), np.int32 if name.endswith("ids") else np.float32).reshape(-1)
+        for name, dtype in (("logit_bias_ids", np.int32), ("logit_bias_values", np.float32)):
+            value = get(name)  # checked against the vocabulary by the llm model
+            if value is not None:
+                llm_inputs[name] = np.asarray(value, dtype).reshape(-1)
         return PreparedRequest(
             llm_inputs, stop,
             prompt_tokens=int(ids.size),

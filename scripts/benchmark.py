@@ -22,7 +22,6 @@ Also printed: the raw onnxruntime decode speed at batch N (one decode step, past
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ import numpy as np
 
 from scripts.llm_client import Completion, GrpcStreamClient
 from scripts.model_control import SERVED_MODELS, reload_llm
+from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
 from scripts.triton_server import PROJECT_ROOT, running_server
 
@@ -195,41 +195,13 @@ def through_openai(requests: list[dict], base_url: str, model: str) -> tuple[lis
     return results, time.perf_counter() - started
 
 
-@contextlib.contextmanager
-def running_openai_front(grpc_url: str, model_dir: Path, log_path: Path):
-    """scripts/openai_server.py on a free port in front of grpc_url; yields its /v1 URL."""
-    import socket
-    import subprocess
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url", grpc_url,
-                                    "--model-dir", str(model_dir), "--port", str(port)],
-                                   cwd=PROJECT_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2):
-                        break
-                except OSError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the OpenAI front did not start; see {log_path}") from None
-                    time.sleep(0.5)
-            yield f"http://127.0.0.1:{port}/v1"
-        finally:
-            process.terminate()
-            process.wait(30)
-
-
 def openai_front_rows(requests: list[dict], grpc: str, model_dir: Path, repeats: int) -> tuple[list[Row], str]:
     """Paired runs, gRPC streaming then the OpenAI front, on the continuous server; returns the two median rows
     and a line with the medians of the pairs' ratios."""
     model = json.loads((model_dir / "llm_settings.json").read_text())["model_name"]
-    with running_openai_front(grpc, model_dir, PROJECT_ROOT / "build" / "benchmark-openai.log") as base_url:
+    log_path = PROJECT_ROOT / "build" / "benchmark-openai.log"
+    with running_openai_api(grpc, model_dir, log_path) as url:
+        base_url = f"{url}/v1"
         through_openai(requests[:2], base_url, model)  # warm-up
         direct_runs, front_runs = [], []
         for _ in range(repeats):

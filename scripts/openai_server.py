@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from python_backend.model_files import MODEL_DIR_ENV
@@ -50,6 +54,40 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+@contextmanager
+def running_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_timeout_s: float = 120,
+                       log_level: str = "info"):
+    """This service in a subprocess on a free loopback port, in front of triton_url, until the block ends; yields its
+    base URL (http://127.0.0.1:PORT) once /health/ready answers 200. Used by the benchmark, the sweep and the tests."""
+    from scripts.triton_server import PROJECT_ROOT, Ports, terminate
+
+    port = Ports.free().http
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url", triton_url,
+                                    "--model-dir", str(model_dir), "--port", str(port), "--log-level", log_level],
+                                   cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while not _answers_200(f"{url}/health/ready"):
+                if process.poll() is not None:
+                    raise RuntimeError(f"the OpenAI API exited with code {process.returncode}; see {log_path}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the OpenAI API was not ready within {ready_timeout_s:.0f} s; see {log_path}")
+                time.sleep(0.25)
+            yield url
+        finally:
+            terminate(process, 30)
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

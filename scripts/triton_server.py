@@ -136,17 +136,22 @@ def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
     orphaned llm stub holding 600 MB) and their shared memory behind: both are removed."""
     if process.poll() is None:
         stubs = stub_processes(process.pid)
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process, timeout_s)
         for pid, regions in stubs.items():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
             for region in regions:
                 Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def terminate(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after timeout_s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def stub_processes(server_pid: int) -> dict[int, list[str]]:
@@ -244,12 +249,7 @@ def openai_command(args: argparse.Namespace) -> list[str]:
 def stop_openai(process: subprocess.Popen, timeout_s: float = 10) -> None:
     """SIGTERM (uvicorn gives open streams a few seconds), then SIGKILL."""
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process, timeout_s)
 
 
 def _local_address(address: str) -> str:

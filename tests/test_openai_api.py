@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -20,8 +18,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from openai_api.app import ServiceConfig, create_app
+from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
-from scripts.triton_server import PROJECT_ROOT, Ports
 
 pytestmark = pytest.mark.server
 
@@ -43,26 +41,11 @@ LONG = 1000
 
 @pytest.fixture(scope="module")
 def service(server, model_dir, tmp_path_factory):
-    """The service as `make serve` runs it, on a free port, pointed at the session's tritonserver."""
-    port = Ports.free().http
+    """The service as `make serve` runs it, on a free port, pointed at the session's tritonserver; yields the port."""
     log_path = tmp_path_factory.mktemp("openai") / "service.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.openai_server", "--triton-url", f"127.0.0.1:{server.grpc}",
-         "--model-dir", str(model_dir), "--port", str(port)],
-        cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready(port):
-            assert process.poll() is None, f"the service exited: {log_path.read_text()}"
-            assert time.monotonic() < deadline, "the service was not ready in time"
-            time.sleep(0.25)
-        yield port
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
-        print(f"service log: {log_path}")
+    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log_path) as url:
+        yield int(url.rsplit(":", 1)[1])
+    print(f"service log: {log_path}")
 
 
 def ready(port: int) -> bool:

@@ -92,13 +92,13 @@ class TritonPythonModel:
             self.cancellations.add(key, reply.is_cancelled)
             chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in prepared.llm_inputs.items()],
                                  key, on_first=lambda: self.cancellations.started(key))
-            answered = first = False
+            answered = sent_any = False
             for delta in text_deltas(chunks, self.tokenizer.decode, stream, reply.is_cancelled,
                                      lambda: self.cancellations.cancel(key), prepared.stop):
                 outputs = [pb_utils.Tensor(name, value)
-                           for name, value in response_outputs(delta, prepared, first=not first).items()]
+                           for name, value in response_outputs(delta, prepared, first=not sent_any).items()]
                 reply.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.finished)
-                first = True
+                sent_any = True
                 answered = answered or delta.finished  # text_deltas goes on draining the llm's stream
             if not answered:
                 reply.send(None, final=True)  # cancelled: close the stream without more data
