@@ -91,6 +91,10 @@ def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_top_tokens_
     assert lp.logprob == pytest.approx(expected[2], abs=1e-12)
     assert lp.top_ids == (1, 2, 0) and np.allclose(lp.top_logprobs, expected[[1, 2, 0]])
     assert token_logprob(LOGITS, 4).top_ids == ()
+    many = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    lp = token_logprob(many, 0, top=20)
+    assert lp.top_ids == tuple(np.argsort(-log_softmax(many), kind="stable")[:20])
+    assert np.all(np.diff(lp.top_logprobs) <= 0)
 
 
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
