@@ -8,6 +8,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -15,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.llm_client import GenerateClient, HttpClient, RequestError, triton_inputs
+from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
 from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, running_server
 
@@ -97,6 +99,40 @@ def test_requests_beyond_max_concurrent_requests_get_503_at_once(limited):
     assert grpc_error.value.status() == "StatusCode.UNAVAILABLE"
     assert outcomes == [200, 200], "the two admitted requests were served in full"
     assert HttpClient(f"127.0.0.1:{limited.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens
+
+
+def test_the_openai_api_answers_503_with_retry_after_when_the_ensemble_is_full(limited, model_dir, tmp_path):
+    metrics = f"127.0.0.1:{limited.metrics}"
+    with running_openai_api(f"127.0.0.1:{limited.grpc}", model_dir, tmp_path / "openai.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        # EOS banned, so that both requests run their 200 tokens while the third one arrives.
+        long = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 200, "temperature": 0,
+                "logit_bias": {"2": -100}}
+        outcomes = []
+
+        def one():
+            outcomes.append(client.completions.create(**long).usage.completion_tokens)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        assert _wait(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120), "two requests fill the ensemble"
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2)
+        with pytest.raises(openai.APIStatusError) as refused_stream:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           stream=True)
+        for thread in threads:
+            thread.join()
+        for response in (refused.value.response, refused_stream.value.response):
+            assert response.status_code == 503, response.text
+            assert int(response.headers["Retry-After"]) >= 1
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "service_unavailable"
+            assert "its limit (max_concurrent_requests)" in error["message"]
+        assert outcomes == [200, 200], "the two admitted requests were served in full"
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
 def _wait(condition, timeout_s: float) -> bool:
