@@ -14,7 +14,9 @@ template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
 - server, <strategy>: all N sent at once over gRPC streaming, with the llm model switched to that strategy;
 - OpenAI front: the same N requests as streaming /v1/completions (the official `openai` client) through the
   OpenAI-compatible service (openai_api/) in front of the same server, continuous strategy, each run paired with a
-  gRPC streaming run right before it; printed with the ratios (output tokens/s, median TTFT) of the pairs.
+  gRPC streaming run right before it; printed with the ratios (output tokens/s, median TTFT) of the pairs. The
+  TTFT the front adds is measured twice more: under the same load (runs of N concurrent requests, half through the
+  front, half over gRPC, swapped every run; per request, front minus gRPC) and for one request alone (pairs).
 Batched rows show the median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 """
@@ -171,33 +173,75 @@ def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tup
     return results, time.perf_counter() - started
 
 
-def through_openai(requests: list[dict], base_url: str, model: str) -> tuple[list[Completion], float]:
-    """The requests as streaming completions (raw prompts, greedy) through the OpenAI front, all at once."""
+def openai_stream(client, model: str, request: dict) -> Completion:
+    """One request as a streaming completion (raw prompt, greedy) through the OpenAI front."""
+    started, first, texts, tokens = time.perf_counter(), None, [], 0
+    for chunk in client.completions.create(model=model, prompt=request["text_input"], temperature=0,
+                                           max_tokens=request["max_tokens"], stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.perf_counter() - started
+            texts.append(chunk.choices[0].text)
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return Completion("".join(texts), tokens, time.perf_counter() - started, first, texts)
+
+
+def openai_client(base_url: str):
     from openai import OpenAI
 
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    return OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
 
-    def one(request: dict) -> Completion:
-        started, first, texts, tokens = time.perf_counter(), None, [], 0
-        for chunk in client.completions.create(model=model, prompt=request["text_input"], temperature=0,
-                                               max_tokens=request["max_tokens"], stream=True,
-                                               stream_options={"include_usage": True}):
-            if chunk.choices and chunk.choices[0].text:
-                first = first if first is not None else time.perf_counter() - started
-                texts.append(chunk.choices[0].text)
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return Completion("".join(texts), tokens, time.perf_counter() - started, first, texts)
 
+def through_openai(requests: list[dict], base_url: str, model: str) -> tuple[list[Completion], float]:
+    """The requests as streaming completions through the OpenAI front, all at once."""
+    client = openai_client(base_url)
     started = time.perf_counter()
     with ThreadPoolExecutor(len(requests)) as pool:
-        results = list(pool.map(one, requests))
+        results = list(pool.map(lambda r: openai_stream(client, model, r), requests))
     return results, time.perf_counter() - started
 
 
+def ttft_added_under_load(requests: list[dict], grpc: str, base_url: str, model: str, runs: int) -> list[float]:
+    """What the front adds to each request's TTFT when both paths share the same load: every run sends all N requests
+    at once, half through the front and half over gRPC streaming (alternating by index, swapped from one run to the
+    next, so that each request takes each path equally often); returns, per request, the median of its TTFTs through
+    the front minus the median of its TTFTs over gRPC, in ms."""
+    front_client, direct_client = openai_client(base_url), GrpcStreamClient(grpc)
+    ttfts = {True: [[] for _ in requests], False: [[] for _ in requests]}
+    for run in range(runs):
+        def one(i: int) -> None:
+            through_front = (i + run) % 2 == 0
+            result = (openai_stream(front_client, model, requests[i]) if through_front
+                      else direct_client.complete(requests[i]))
+            if result.first_token_s is not None:  # None: no text (EOS first)
+                ttfts[through_front][i].append(result.first_token_s)
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            list(pool.map(one, range(len(requests))))
+    return [(statistics.median(front) - statistics.median(direct)) * 1000
+            for front, direct in zip(ttfts[True], ttfts[False]) if front and direct]
+
+
+def ttft_added_alone(request: dict, grpc: str, base_url: str, model: str, pairs: int) -> list[float]:
+    """The same request sent alone, alternately over gRPC streaming and through the front; the TTFT differences of
+    the pairs, in ms."""
+    front_client, direct_client = openai_client(base_url), GrpcStreamClient(grpc)
+    differences = []
+    for pair in range(pairs):
+        order = (True, False) if pair % 2 else (False, True)
+        ttft = {}
+        for through_front in order:
+            result = (openai_stream(front_client, model, request) if through_front
+                      else direct_client.complete(request))
+            ttft[through_front] = result.first_token_s
+        differences.append((ttft[True] - ttft[False]) * 1000)
+    return differences
+
+
 def openai_front_rows(requests: list[dict], grpc: str, model_dir: Path, repeats: int) -> tuple[list[Row], str]:
-    """Paired runs, gRPC streaming then the OpenAI front, on the continuous server; returns the two median rows
-    and a line with the medians of the pairs' ratios."""
+    """Paired runs, gRPC streaming then the OpenAI front, on the continuous server, for output tokens/s; then the TTFT
+    the front adds, under the same load and alone. Returns the two median rows and the lines to print."""
     model = json.loads((model_dir / "llm_settings.json").read_text())["model_name"]
     log_path = PROJECT_ROOT / "build" / "benchmark-openai.log"
     with running_openai_api(grpc, model_dir, log_path) as url:
@@ -211,13 +255,23 @@ def openai_front_rows(requests: list[dict], grpc: str, model_dir: Path, repeats:
             front_runs.append(server_row("server, continuous, through the OpenAI front", front, wall, None))
             if [r.text for r in front] != [r.text for r in direct]:
                 log("WARNING: the OpenAI front's greedy texts differ from gRPC streaming's")
+        log(f"  TTFT under load: {2 * repeats} runs of {len(requests)} requests, half through the front")
+        under_load = ttft_added_under_load(requests, grpc, base_url, model, runs=2 * repeats)
+        alone_pairs = 20 * repeats
+        log(f"  TTFT alone: {alone_pairs} pairs of one request")
+        alone = ttft_added_alone({**requests[0], "max_tokens": 4}, grpc, base_url, model, alone_pairs)
     log("  gRPC output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in direct_runs))
     log("  front output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in front_runs))
     speed = statistics.median(f.tokens_per_s / d.tokens_per_s for d, f in zip(direct_runs, front_runs))
     ttft = statistics.median((f.ttft_p50 - d.ttft_p50) * 1000 for d, f in zip(direct_runs, front_runs))
-    line = (f"OpenAI front vs gRPC streaming, {len(requests)} concurrent streams, median of {repeats} pairs: "
-            f"output tokens/s x{speed:.3f} ({(speed - 1) * 100:+.1f} %), median TTFT {ttft:+.1f} ms")
-    return [median_run(direct_runs), median_run(front_runs)], line
+    quartiles = np.percentile(under_load, [25, 75])
+    lines = [f"OpenAI front vs gRPC streaming, {len(requests)} concurrent streams, median of {repeats} pairs of runs: "
+             f"output tokens/s x{speed:.3f} ({(speed - 1) * 100:+.1f} %), median TTFT {ttft:+.1f} ms",
+             f"TTFT the front adds, same load ({2 * repeats} runs of {len(requests)} concurrent streams, half through "
+             f"the front): median over requests {statistics.median(under_load):+.1f} ms (quartiles "
+             f"{quartiles[0]:+.1f} / {quartiles[1]:+.1f} ms)",
+             f"TTFT the front adds, one request alone ({alone_pairs} pairs): median {statistics.median(alone):+.1f} ms"]
+    return [median_run(direct_runs), median_run(front_runs)], "\n".join(lines)
 
 
 def padding_counters(metrics_port: int, strategy: str) -> tuple[float, float]:
