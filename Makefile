@@ -3,7 +3,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-MODEL_DIR ?= build/model
+# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
+# fp16 (scripts/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT.
+QUANT ?= fp32
+QUANTS := int4 int4-fast int8 fp16
+# (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
+EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
+MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
 SOURCE ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
@@ -11,10 +17,11 @@ METRICS_PORT ?= 8002
 HEALTH_PORT ?= 8003
 OPENAI_PORT ?= 9000
 ADDRESS ?= 127.0.0.1
+comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv model demo serve test benchmark sweep sweep-quick perf-inputs clean
+.PHONY: venv model variants demo serve test benchmark sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -28,7 +35,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 model: venv
-	$(PY) -m scripts.export_onnx --output $(MODEL_DIR) $(if $(SOURCE),--source $(SOURCE))
+	$(PY) -m scripts.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
+	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.quantize --quant $(QUANT) --source $(EXPORT_DIR))
+
+# Every quantized variant, each checked against its parity thresholds (make test serves each once).
+variants: model
+	for quant in $(QUANTS); do $(PY) -m scripts.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
 
 demo: model
 	$(PY) -m scripts.demo
@@ -41,11 +53,12 @@ serve: model
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
-test: model
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
+test: variants
+	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest $(PYTEST_ARGS)
 
-benchmark: model
-	$(PY) -m scripts.benchmark
+benchmark: variants
+	$(PY) -m scripts.benchmark --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
 
 sweep: model
 	$(PY) -m loadtests.sweep $(SWEEP_ARGS)

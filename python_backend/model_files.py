@@ -1,7 +1,8 @@
 """Where an exported model lives, and the generation settings the export writes beside it.
 
 An exported model folder holds ``onnx/model.onnx`` (+ external data), the tokenizer files, ``llm_settings.json``
-(EOS ids, context length) and ``parity_report.json``."""
+(EOS ids, context length, quantization variant) and ``parity_report.json``. A quantized variant
+(scripts/quantize.py) is a folder of the same shape."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ModelSettings:
     pad_token_id: int | None
     max_position_embeddings: int
     model_name: str
+    quantization: str = "fp32"  # the variant (scripts/quantize.py): fp32, int4, int4-fast, int8 or fp16
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike) -> "ModelSettings":
@@ -33,6 +35,7 @@ class ModelSettings:
             pad_token_id=raw.get("pad_token_id"),
             max_position_embeddings=int(raw["max_position_embeddings"]),
             model_name=raw.get("model_name", "unknown"),
+            quantization=raw.get("quantization", "fp32"),
         )
 
 

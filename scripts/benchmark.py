@@ -19,6 +19,8 @@ template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
   front, half over gRPC, swapped every run; per request, front minus gRPC) and for one request alone (pairs).
 Batched rows show the median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
+With --variants (make benchmark gives all): the weight variants side by side through the server
+(scripts/variant_benchmark.py).
 """
 
 from __future__ import annotations
@@ -322,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-openai", action="store_true",
                         help="only the OpenAI front's paired runs (no in-process rows, no other strategies)")
     parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--variants", help="also the weight variants side by side, e.g. fp32,int4,int8 "
+                                           "(scripts/variant_benchmark.py), each served from its own folder")
+    parser.add_argument("--export-dir", type=Path, default=PROJECT_ROOT / "build" / "model",
+                        help="the fp32 export, beside which the variants' folders lie")
     parser.add_argument("--output", type=Path, help="default: build/benchmark.json (--only-openai: "
                                                      "build/benchmark-openai.json)")
     args = parser.parse_args(argv)
@@ -367,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += front_rows
     if raw_decode is not None:
         print_table(rows, raw_decode, len(requests))
+    variant_rows = []
+    if args.variants:
+        from scripts import variant_benchmark
+
+        log(f"weight variants: {args.variants}")
+        variant_rows = variant_benchmark.run(args.variants.split(","), args.export_dir, requests, args.repeats)
+        print("\n" + variant_benchmark.table(variant_rows, len(requests)))
     if front_line:
         print("\n" + front_line)
         if args.only_openai:
@@ -375,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"requests": len(requests), "raw_decode_tokens_per_s": raw_decode,
                                        "openai_front": front_line,
+                                       "variants": [asdict(r) for r in variant_rows],
                                        "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]},
                                       indent=2))
     log(f"wrote {args.output}")

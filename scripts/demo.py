@@ -7,9 +7,11 @@ each answer and a summary, stop the server. Exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from python_backend.model_files import MODEL_DIR_ENV, ModelSettings
 from scripts.client import load_requests, run, summary
 from scripts.llm_client import PROTOCOLS, make_client
 from scripts.triton_server import PROJECT_ROOT, running_server
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"  -> {record['text_output']}")
             print(f"  ({record['output_tokens']} tokens, {record['latency_s']:.2f} s)")
-    print("\n" + summary(records, wall_s))
+    settings = ModelSettings.load(os.environ.get(MODEL_DIR_ENV, PROJECT_ROOT / "build" / "model"))
+    print("\n" + summary(records, wall_s) + f"; model {settings.model_name}, {settings.quantization} weights")
     return 1 if any("error" in r for r in records) else 0
 
 

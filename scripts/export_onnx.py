@@ -22,14 +22,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
-from scripts import grouped_attention  # noqa: E402
+from scripts import grouped_attention, variant_parity  # noqa: E402
 
 COMPLETE_FILE = "export_complete.json"
-EXPORT_FORMAT = 3  # bump when the exported graph changes, so that `make model` exports again
+EXPORT_FORMAT = 4  # bump when the exported graph changes, so that `make model` exports again
 DEFAULT_OUTPUT = Path("build/model")
 PARITY_PROMPTS = [
     "What is the capital of France?",
@@ -165,7 +164,6 @@ def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -
 
 def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     from python_backend.engine import generate
-    from python_backend.kv_batch import KVBatch
     from python_backend.onnx_decoder import OnnxDecoder
     from python_backend.sampling import SamplingParams
     from python_backend.sequence import Sequence
@@ -175,25 +173,7 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     prompt_tokenizer = PromptTokenizer(output)
     prompts = [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
     decoder = OnnxDecoder(output / ONNX_FILE)
-    batch, ort_logits, _ = KVBatch.prefill(decoder, prompts)
-    ids = np.zeros_like(batch.attention_mask)
-    for row, p in enumerate(prompts):
-        ids[row, ids.shape[1] - len(p):] = p
-    max_diff = max_logit = 0.0
-    for step in range(DECODE_STEPS_CHECKED + 1):
-        mask = np.concatenate([batch.attention_mask[:, : ids.shape[1] - 1], np.ones((len(ids), 1), np.int64)], 1)
-        with torch.no_grad():
-            torch_logits = model(
-                input_ids=torch.from_numpy(ids),
-                attention_mask=torch.from_numpy(mask),
-                position_ids=torch.from_numpy(np.clip(np.cumsum(mask, 1) - 1, 0, None)),
-            ).logits[:, -1, :].numpy()
-        max_diff = max(max_diff, float(np.abs(ort_logits - torch_logits).max()))
-        max_logit = max(max_logit, float(np.abs(torch_logits).max()))
-        if step < DECODE_STEPS_CHECKED:
-            next_tokens = torch_logits.argmax(-1)
-            ids = np.concatenate([ids, next_tokens[:, None]], 1)
-            ort_logits = batch.step(decoder, next_tokens)
+    max_diff, max_logit = variant_parity.max_logit_difference(model, decoder, prompts, DECODE_STEPS_CHECKED)
 
     log(f"parity: {GREEDY_TOKENS} greedy tokens vs transformers generate()")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, end_ids=tuple(eos_ids))
@@ -213,7 +193,12 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
         expected = generated[: stops[0]] if stops else generated
         greedy.append({"prompt_tokens": len(prompt), "onnx": seq.output_ids, "transformers": expected,
                        "identical": seq.output_ids == expected, "text": tokenizer.decode(seq.output_ids)})
+    log(f"parity: greedy agreement on the load-test prompts ({variant_parity.GREEDY_TOKENS} tokens)")
+    load_test = [prompt_tokenizer.encode(p, apply_chat_template=False) for p in variant_parity.load_test_prompts()]
+    agreement = variant_parity.agreement(variant_parity.engine_greedy(decoder, load_test),
+                                         variant_parity.reference_greedy(output, model, load_test))
     report = {
+        "variant": "fp32",
         "max_abs_logit_diff": max_diff,
         "max_abs_logit": max_logit,
         "logits_checked": f"last position of a left-padded batch of 4, prefill and {DECODE_STEPS_CHECKED} decode steps",
@@ -221,7 +206,9 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
         "greedy_tokens": GREEDY_TOKENS,
         "greedy_identical": sum(g["identical"] for g in greedy),
         "prompts": greedy,
-        "passed": max_diff <= MAX_LOGIT_DIFF and all(g["identical"] for g in greedy),
+        "greedy_agreement": agreement,
+        "passed": (max_diff <= MAX_LOGIT_DIFF and all(g["identical"] for g in greedy)
+                   and agreement["identical_share"] >= variant_parity.THRESHOLDS["fp32"][1]),
     }
     (output / PARITY_REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     return report
@@ -253,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     report = check_parity(model, tokenizer, output, eos_ids)
     log(
         f"parity: max |Δ logits| = {report['max_abs_logit_diff']:.2e} (tolerance {MAX_LOGIT_DIFF}), "
-        f"greedy identical {report['greedy_identical']}/{len(report['prompts'])}"
+        f"greedy identical {report['greedy_identical']}/{len(report['prompts'])}; on the load-test prompts "
+        f"{report['greedy_agreement']['identical']}/{report['greedy_agreement']['prompts']} over "
+        f"{variant_parity.GREEDY_TOKENS} tokens"
     )
     if not report["passed"]:
         log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}")

@@ -36,7 +36,8 @@ class TritonPythonModel:
         )
         config = SchedulerConfig.from_parameters(params, int(model_config(args)["max_batch_size"]),
                                                  decoder.cache_shape.bytes_per_token())
-        observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy})
+        observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
+                                                    "variant": self.settings.quantization})
         self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]))
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)

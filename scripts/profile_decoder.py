@@ -1,0 +1,75 @@
+"""Where a decode step's time goes, by operator type, from onnxruntime's own profiler.
+
+    python -m scripts.profile_decoder build/model build/model-int4 --batch 1
+
+For each model folder: prefill a prompt of --past tokens (batch --batch), then profile --steps decode steps, and
+print the operators' share of the step time (node kernel time summed by op type; "MatMulNBits" are the quantized
+weights, "MatMul" the fp32 weights, attention and the int4 residuals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import onnxruntime as ort
+
+from python_backend.kv_batch import KVBatch
+from python_backend.model_files import ONNX_FILE
+from python_backend.onnx_decoder import OnnxDecoder
+
+
+def profile(model_dir: Path, batch: int, past: int, steps: int) -> tuple[dict[str, float], float]:
+    """(microseconds per step by op type, wall milliseconds per step)."""
+    decoder = OnnxDecoder(model_dir / ONNX_FILE)
+    prompt = [1] + [100 + i % 1000 for i in range(past - 1)]
+    kv, logits, _ = KVBatch.prefill(decoder, [prompt] * batch)
+    for _ in range(2):  # warm-up
+        logits = kv.step(decoder, logits.argmax(-1))
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path("build") / f"profile-{model_dir.name}")
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    decoder.session = ort.InferenceSession(str(model_dir / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+    logits = kv.step(decoder, logits.argmax(-1))  # first run of the new session: not counted below
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = kv.step(decoder, logits.argmax(-1))
+    wall_ms = (time.perf_counter() - started) * 1000 / steps
+    trace = json.loads(Path(decoder.session.end_profiling()).read_text())
+    runs = [e for e in trace if e.get("cat") == "Session" and e["name"] == "model_run"]
+    first_counted = sorted(runs, key=lambda e: e["ts"])[1]["ts"]
+    by_op: dict[str, float] = defaultdict(float)
+    for event in trace:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first_counted:
+            by_op[event["args"]["op_name"]] += event["dur"] / steps
+    return dict(by_op), wall_ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dirs", type=Path, nargs="+")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--past", type=int, default=64, help="tokens already in the cache")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=6)
+    args = parser.parse_args(argv)
+    Path("build").mkdir(exist_ok=True)
+    for model_dir in args.model_dirs:
+        by_op, wall_ms = profile(model_dir, args.batch, args.past, args.steps)
+        kernels_ms = sum(by_op.values()) / 1000
+        print(f"{model_dir}: batch {args.batch}, past {args.past}: {wall_ms:.1f} ms per decode step "
+              f"({args.batch * 1000 / wall_ms:.1f} tok/s); kernels {kernels_ms:.1f} ms")
+        for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {op:<14} {us / 1000:6.2f} ms  {us / 1000 / kernels_ms:6.1%}")
+        rest = sorted(by_op.values(), reverse=True)[args.top:]
+        print(f"  {'other':<14} {sum(rest) / 1000:6.2f} ms  {sum(rest) / 1000 / kernels_ms:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

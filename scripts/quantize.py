@@ -1,0 +1,250 @@
+"""Quantized variants of an exported decoder, each in its own model folder with its own parity report.
+
+    python -m scripts.quantize --quant int4          # build/model -> build/model-int4
+    make model QUANT=int4                            # the same, after the fp32 export
+
+Variants (weights only; activations, the KV cache and the graph's interface stay fp32):
+- int4: the layer matrices as 4-bit ``MatMulNBits`` (blocks of 32, asymmetric, fp32 compute: accuracy_level 1) on the
+  grid the weights came from, plus a per-block residual that makes the product exact for GGUF Q4_1 weights
+  (scripts/block_quantization.py); the tied LM head stays fp32.
+- int4-fast: the same int4 layers and an 8-bit LM head, computed with int8 activations (accuracy_level 4): faster,
+  no longer exact.
+- int8: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4, LM head
+  included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured).
+- fp16: onnxruntime's ``convert_float_to_float16`` (fp32 inputs and outputs kept); for GPUs. Measured here too.
+The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: README, "Quantized
+decoders".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
+from scripts import block_quantization  # noqa: E402
+from scripts.variant_parity import GREEDY_REFERENCE_FILE  # noqa: E402
+
+FORMAT = 1  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+COMPLETE_FILE = "quantize_complete.json"
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    bits: int | None = None  # None: fp16
+    tool: str = "grid"  # "grid" (scripts/block_quantization.py) or "onnxruntime" (MatMulNBitsQuantizer)
+    block_size: int = 32
+    symmetric: bool = False
+    accuracy_level: int = 1
+    head_bits: int | None = None  # None: the LM head stays fp32
+    residual: bool = True  # grid tool only
+
+
+RECIPES = {
+    "int4": Recipe("int4", bits=4),
+    "int4-fast": Recipe("int4-fast", bits=4, accuracy_level=4, head_bits=8),
+    "int8": Recipe("int8", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8),
+    "fp16": Recipe("fp16"),
+}
+QUANT_CHOICES = ("fp32", *RECIPES)
+
+
+def log(message: str) -> None:
+    print(f"[quantize] {message}", file=sys.stderr, flush=True)
+
+
+def variant_dir(base: Path, quant: str) -> Path:
+    """Where `make model QUANT=...` puts a variant of the export at ``base``: fp32 is the export itself."""
+    return base if quant == "fp32" else base.with_name(f"{base.name}-{quant}")
+
+
+def untie_lm_head(model: onnx.ModelProto) -> str | None:
+    """A tied LM head multiplies by Transpose(embedding), which quantizers skip (not a constant): give it its own
+    transposed initializer. Returns the head's MatMul node name (None if there is no such node)."""
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    for node in graph.node:
+        source = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if source is not None and source.op_type == "Transpose" and source.input[0] in initializers:
+            weight = numpy_helper.to_array(initializers[source.input[0]]).T
+            name = f"{source.input[0]}.transposed"
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight), name))
+            node.input[1] = name
+            return node.name
+    return None
+
+
+def constant_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    initializers = {i.name for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
+
+
+def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -> dict:
+    """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). Returns statistics."""
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    replaced = {}
+    block_sums: dict[str, str] = {}
+    spreads = []
+    for node in constant_matmuls(model):
+        is_head = node.name == head
+        if is_head and recipe.head_bits is None:
+            continue
+        weight = numpy_helper.to_array(initializers[node.input[1]])
+        k, n = weight.shape
+        bits, symmetric = (recipe.head_bits, True) if is_head else (recipe.bits, recipe.symmetric)
+        matrix = block_quantization.quantize(weight, bits, recipe.block_size, symmetric)
+        spreads.append(matrix.residual_spread(weight))
+        x, y = node.input[0], node.output[0]
+        new_initializers = {f"{node.name}.q{bits}": matrix.packed, f"{node.name}.scales": matrix.scales}
+        if matrix.zero_points is not None:
+            new_initializers[f"{node.name}.zero_points"] = matrix.zero_points
+        with_residual = recipe.residual and not symmetric
+        nodes = [helper.make_node("MatMulNBits", [x, *new_initializers], [f"{y}.blocks" if with_residual else y],
+                                  name=f"{node.name}.nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits,
+                                  block_size=recipe.block_size, accuracy_level=recipe.accuracy_level)]
+        if with_residual:
+            sums = block_sums.get(x)
+            if sums is None:
+                matrix_name = f"block_sums.{k}x{recipe.block_size}"
+                if matrix_name not in initializers:
+                    initializers[matrix_name] = numpy_helper.from_array(
+                        block_quantization.block_sum_matrix(k, recipe.block_size), matrix_name)
+                    graph.initializer.append(initializers[matrix_name])
+                sums = block_sums[x] = f"{x}.block_sums"
+                nodes.insert(0, helper.make_node("MatMul", [x, matrix_name], [sums], name=f"{node.name}.block_sums"))
+            new_initializers[f"{node.name}.residual"] = matrix.residual
+            nodes += [helper.make_node("MatMul", [sums, f"{node.name}.residual"], [f"{y}.residual"],
+                                       name=f"{node.name}.residual"),
+                      helper.make_node("Add", [f"{y}.blocks", f"{y}.residual"], [y], name=f"{node.name}.exact")]
+        graph.initializer.extend(numpy_helper.from_array(v, k_) for k_, v in new_initializers.items())
+        replaced[node.name] = nodes
+    rebuilt = []
+    for node in graph.node:
+        rebuilt += replaced.get(node.name, [node])
+    del graph.node[:]
+    graph.node.extend(rebuilt)
+    _use_ms_domain(model)
+    return {"matmuls_quantized": len(replaced), "max_residual_spread": max(spreads, default=0.0)}
+
+
+def quantize_with_onnxruntime(model: onnx.ModelProto, recipe: Recipe, head: str | None) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=recipe.block_size, is_symmetric=recipe.symmetric,
+                                          accuracy_level=recipe.accuracy_level, bits=recipe.bits)
+    exclude = [head] if head and recipe.head_bits is None else []
+    quantizer = MatMulNBitsQuantizer(model, algo_config=config, nodes_to_exclude=exclude)
+    quantizer.process()
+    return quantizer.model.model
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
+
+
+def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
+    """Writes output/onnx/model.onnx (+ data) from source's; returns the build statistics."""
+    log(f"{recipe.name}: loading {source / ONNX_FILE}")
+    model = onnx.load(str(source / ONNX_FILE))
+    stats: dict = {}
+    if recipe.bits is None:
+        model = to_fp16(model)
+    else:
+        head = untie_lm_head(model) if recipe.head_bits is not None else None
+        if recipe.tool == "onnxruntime":
+            model = quantize_with_onnxruntime(model, recipe, head)
+        else:
+            stats = quantize_on_grid(model, recipe, head)
+        _drop_unused_initializers(model)
+    onnx_path = output / ONNX_FILE
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
+    stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
+    return stats
+
+
+def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
+    """Tokenizer and settings from the fp32 export; settings say which variant this is."""
+    own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, "export_complete.json", GREEDY_REFERENCE_FILE}
+    for item in source.iterdir():
+        if item.is_file() and item.name not in own_files:
+            shutil.copy2(item, output / item.name)
+    settings = json.loads((source / SETTINGS_FILE).read_text())
+    settings["quantization"] = recipe.name
+    settings["quantization_recipe"] = asdict(recipe)
+    (output / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+
+
+def _use_ms_domain(model: onnx.ModelProto) -> None:
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    kept = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def fingerprint(source: Path, recipe: Recipe) -> dict:
+    export = json.loads((source / "export_complete.json").read_text())
+    return {"export": export, "recipe": asdict(recipe), "format": FORMAT}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quant", required=True, choices=QUANT_CHOICES)
+    parser.add_argument("--source", type=Path, default=Path("build/model"), help="the fp32 export (make model)")
+    parser.add_argument("--output", type=Path, help="default: <source>-<quant>")
+    parser.add_argument("--force", action="store_true", help="build again even if the output is up to date")
+    args = parser.parse_args(argv)
+    if args.quant == "fp32":
+        log(f"fp32 is the export itself: {args.source}")
+        return 0
+    if not (args.source / "export_complete.json").is_file():
+        parser.error(f"{args.source} is not a complete export; run `make model` (scripts/export_onnx.py) first")
+    recipe = RECIPES[args.quant]
+    output = args.output or variant_dir(args.source, args.quant)
+    wanted = fingerprint(args.source, recipe)
+    done = output / COMPLETE_FILE
+    if not args.force and done.is_file() and json.loads(done.read_text()) == wanted:
+        log(f"{output} is up to date; skipping (use --force to redo)")
+        return 0
+    if output.exists():
+        shutil.rmtree(output)
+    output.mkdir(parents=True)
+    started = time.monotonic()
+    stats = build_variant(args.source, output, recipe)
+    copy_model_files(args.source, output, recipe)
+    log(f"{recipe.name}: {stats['model_bytes'] / 1e6:.0f} MB in {time.monotonic() - started:.0f} s; checking parity")
+    from scripts.variant_parity import check_variant
+
+    report = check_variant(args.source, output, recipe.name, stats)
+    if not report["passed"]:  # the thresholds are the default model's (make test); another model may differ
+        log(f"WARNING: parity below the thresholds set for the default model: see {output / PARITY_REPORT_FILE}")
+    done.write_text(json.dumps(wanted))
+    log(f"done: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

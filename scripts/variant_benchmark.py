@@ -1,0 +1,135 @@
+"""The quantized variants side by side through the real server, one run, the same workload for each.
+
+    python -m scripts.variant_benchmark --variants fp32,int4,int4-fast,int8,fp16     (make benchmark runs it too)
+
+For each variant a tritonserver serves its folder (scripts/quantize.py; fp32 is the export itself), continuous
+strategy. Columns: output tok/s of SINGLE_STREAM requests sent one at a time; output tok/s, TTFT p50/p95 of all N
+sent at once (median of --repeats runs); resident memory of the llm model's process after the runs; KV-cache bytes
+per token; model file size; greedy agreement with fp32 PyTorch from the folder's parity report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, PARITY_REPORT_FILE
+from scripts.quantize import QUANT_CHOICES, variant_dir
+from scripts.triton_server import PROJECT_ROOT, running_server
+
+SINGLE_STREAM = 8
+
+
+@dataclass
+class VariantRow:
+    variant: str
+    single_stream_tokens_per_s: float
+    concurrent_tokens_per_s: float
+    ttft_p50: float
+    ttft_p95: float
+    llm_rss_mb: float
+    kv_bytes_per_token: int
+    model_mb: float
+    greedy_identical: str
+    mean_tokens_to_first_difference: float
+
+
+def log(message: str) -> None:
+    print(f"[variants] {message}", file=sys.stderr, flush=True)
+
+
+def llm_process_rss_mb() -> float:
+    """Resident memory of the llm model's stub process (a grandchild of this process)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(a.endswith("model.py") and Path(a).parent.parent.name == "llm" for a in child.cmdline()):
+                return child.memory_info().rss / 2 ** 20
+        except psutil.Error:
+            continue
+    raise RuntimeError("no llm model process found")
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    from python_backend.onnx_decoder import OnnxDecoder
+
+    return OnnxDecoder(model_dir / ONNX_FILE).cache_shape.bytes_per_token()
+
+
+def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -> VariantRow:
+    from scripts.benchmark import median_run, server_row, through_server
+
+    report = json.loads((model_dir / PARITY_REPORT_FILE).read_text())
+    greedy = report.get("greedy_agreement")
+    log_path = PROJECT_ROOT / "build" / f"benchmark-variant-{variant}.log"
+    with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())}) as ports:
+        grpc = f"127.0.0.1:{ports.grpc}"
+        through_server(requests[:2], grpc, concurrent=True)  # warm-up
+        log(f"{variant}: {SINGLE_STREAM} requests one at a time")
+        alone, _ = through_server(requests[:SINGLE_STREAM], grpc, concurrent=False)
+        single = sum(r.output_tokens for r in alone) / sum(r.latency_s for r in alone)
+        log(f"{variant}: {len(requests)} concurrent requests, {repeats} runs")
+        runs = [server_row(variant, *through_server(requests, grpc, concurrent=True), None) for _ in range(repeats)]
+        log(f"  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
+        rss = llm_process_rss_mb()
+    best = median_run(runs)
+    model_bytes = sum(p.stat().st_size for p in (model_dir / ONNX_FILE).parent.iterdir())
+    return VariantRow(variant, single, best.tokens_per_s, best.ttft_p50, best.ttft_p95, rss,
+                      kv_bytes_per_token(model_dir), model_bytes / 1e6,
+                      f"{greedy['identical']}/{greedy['prompts']}" if greedy else "?",
+                      greedy["mean_tokens_to_first_difference"] if greedy else float("nan"))
+
+
+def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: int) -> list[VariantRow]:
+    rows = []
+    for variant in variants:
+        model_dir = variant_dir(export_dir, variant)
+        if not (model_dir / PARITY_REPORT_FILE).is_file():
+            raise SystemExit(f"no {variant} variant at {model_dir}: run `make model QUANT={variant}`")
+        rows.append(measure(variant, model_dir, requests, repeats))
+    return rows
+
+
+def table(rows: list[VariantRow], n: int) -> str:
+    base = next((r for r in rows if r.variant == "fp32"), rows[0])
+    lines = [f"| variant | single-stream output tok/s | {n} concurrent output tok/s | TTFT p50 / p95 (s) | llm process "
+             f"RSS (MiB) | KV bytes / token | model files (MB) | greedy identical over 64 tokens (mean tokens to "
+             f"first difference) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r.variant} | {r.single_stream_tokens_per_s:.1f} (x{r.single_stream_tokens_per_s / base.single_stream_tokens_per_s:.2f}) "
+            f"| {r.concurrent_tokens_per_s:.1f} (x{r.concurrent_tokens_per_s / base.concurrent_tokens_per_s:.2f}) "
+            f"| {r.ttft_p50:.2f} / {r.ttft_p95:.2f} | {r.llm_rss_mb:.0f} | {r.kv_bytes_per_token:,} | {r.model_mb:.0f} "
+            f"| {r.greedy_identical} ({r.mean_tokens_to_first_difference:.1f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scripts.benchmark import workload
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="fp32,int4,int4-fast,int8,fp16")
+    parser.add_argument("--export-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "benchmark-variants.json")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(QUANT_CHOICES)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {QUANT_CHOICES}")
+    rows = run(variants, args.export_dir, workload(args.requests), args.repeats)
+    print(table(rows, args.requests))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    log(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

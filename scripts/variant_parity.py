@@ -1,0 +1,176 @@
+"""How close an exported decoder (fp32 or a quantized variant) stays to the fp32 PyTorch model.
+
+Two measures, written to the folder's parity report:
+- logits: max |Δ| of the last position's logits against transformers, on a left-padded batch of prompts, prefill and
+  a few decode steps (the same check the fp32 export passes at 1e-3);
+- greedy agreement on the load-test prompts (loadtests/prompts.jsonl, raw text): GREEDY_TOKENS greedy tokens from the
+  engine on this decoder (all prompts batched, EOS not stopping) against fp32 PyTorch one prompt at a time; how many
+  prompts are identical over all the tokens, and the mean number of tokens before the first difference.
+The PyTorch reference tokens are computed once and kept in the fp32 export's folder (GREEDY_REFERENCE_FILE).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+LOAD_TEST_PROMPTS = PROJECT_ROOT / "loadtests" / "prompts.jsonl"
+GREEDY_REFERENCE_FILE = "greedy_reference.json"
+GREEDY_TOKENS = 64
+LOGIT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "用一句话介绍一下长城。",
+    "Explain in two sentences why the sky is blue, and mention the scientist who first described it.",
+]
+DECODE_STEPS_CHECKED = 4
+# What `make test` holds each variant's report to: (max |Δ logits|, share of prompts greedy-identical over
+# GREEDY_TOKENS). Set from the measured reports (README, "Quantized decoders"), with a margin for other CPUs.
+THRESHOLDS = {
+    "fp32": (1e-3, 0.95),
+    "int4": (1e-3, 0.95),  # measured 9.9e-5, 42 of 42
+    "int4-fast": (3.0, 0.25),  # measured 1.34, 19 of 42
+    "int8": (3.0, 0.15),  # measured 1.66, 12 of 42
+    "fp16": (0.1, 0.9),  # measured 0.037, 42 of 42
+}
+
+
+def log(message: str) -> None:
+    print(f"[parity] {message}", file=sys.stderr, flush=True)
+
+
+def load_test_prompts() -> list[str]:
+    lines = LOAD_TEST_PROMPTS.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["text_input"] for line in lines if line.strip()]
+
+
+def load_reference_model(hf_dir: str | Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def max_logit_difference(model, decoder, prompts: list[list[int]], decode_steps: int) -> tuple[float, float]:
+    """(max |Δ logits|, max |logit|) of the decoder against the PyTorch model, last position of a left-padded batch,
+    prefill and decode_steps steps fed with PyTorch's greedy tokens."""
+    import torch
+
+    from python_backend.kv_batch import KVBatch
+
+    batch, onnx_logits, _ = KVBatch.prefill(decoder, prompts)
+    ids = np.zeros_like(batch.attention_mask)
+    for row, p in enumerate(prompts):
+        ids[row, ids.shape[1] - len(p):] = p
+    max_diff = max_logit = 0.0
+    for step in range(decode_steps + 1):
+        mask = np.concatenate([batch.attention_mask[:, : ids.shape[1] - 1], np.ones((len(ids), 1), np.int64)], 1)
+        with torch.no_grad():
+            torch_logits = model(
+                input_ids=torch.from_numpy(ids),
+                attention_mask=torch.from_numpy(mask),
+                position_ids=torch.from_numpy(np.clip(np.cumsum(mask, 1) - 1, 0, None)),
+            ).logits[:, -1, :].numpy()
+        max_diff = max(max_diff, float(np.abs(onnx_logits - torch_logits).max()))
+        max_logit = max(max_logit, float(np.abs(torch_logits).max()))
+        if step < decode_steps:
+            next_tokens = torch_logits.argmax(-1)
+            ids = np.concatenate([ids, next_tokens[:, None]], 1)
+            onnx_logits = batch.step(decoder, next_tokens)
+    return max_diff, max_logit
+
+
+def pytorch_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    import torch
+
+    answers = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+            answer = [int(out.logits[0, -1].argmax())]
+            while len(answer) < tokens:
+                out = model(input_ids=torch.tensor([[answer[-1]]]), cache=out.cache, use_cache=True)
+                answer.append(int(out.logits[0, -1].argmax()))
+        answers.append(answer)
+    return answers
+
+
+def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[list[int]]:
+    """fp32 PyTorch's greedy tokens for the prompts, from the cache file when it was made for the same prompts."""
+    key = hashlib.sha256(json.dumps([prompts, GREEDY_TOKENS]).encode()).hexdigest()
+    path = fp32_dir / GREEDY_REFERENCE_FILE
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached["tokens"]
+    log(f"fp32 PyTorch greedy reference: {len(prompts)} prompts x {GREEDY_TOKENS} tokens, one at a time (~1 min)")
+    tokens = pytorch_greedy(model, prompts, GREEDY_TOKENS)
+    path.write_text(json.dumps({"key": key, "tokens": tokens}))
+    return tokens
+
+
+def engine_greedy(decoder, prompts: list[list[int]]) -> list[list[int]]:
+    from python_backend.engine import generate
+    from python_backend.sampling import SamplingParams
+    from python_backend.sequence import Sequence
+
+    params = SamplingParams(max_tokens=GREEDY_TOKENS)  # no end_ids: EOS does not stop the comparison
+    sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
+    generate(decoder, sequences)
+    return [s.output_ids for s in sequences]
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
+    first_differences = [next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(theirs))
+                         for mine, theirs in zip(answers, reference)]
+    identical = sum(d == len(r) for d, r in zip(first_differences, reference))
+    return {"prompts": len(reference), "tokens": GREEDY_TOKENS, "identical": identical,
+            "identical_share": identical / len(reference),
+            "mean_tokens_to_first_difference": float(np.mean(first_differences)),
+            "first_differences": first_differences}
+
+
+def measure(fp32_dir: Path, model_dir: Path, model=None) -> dict:
+    """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and greedy cache)."""
+    from python_backend.onnx_decoder import OnnxDecoder
+    from python_backend.tokenization import PromptTokenizer
+
+    settings = json.loads((fp32_dir / SETTINGS_FILE).read_text())
+    model = model if model is not None else load_reference_model(settings["hf_dir"])
+    tokenizer = PromptTokenizer(fp32_dir)
+    decoder = OnnxDecoder(model_dir / ONNX_FILE)
+    log(f"{model_dir.name}: logits against fp32 PyTorch")
+    logit_prompts = [tokenizer.encode(p, apply_chat_template=True) for p in LOGIT_PROMPTS]
+    max_diff, max_logit = max_logit_difference(model, decoder, logit_prompts, DECODE_STEPS_CHECKED)
+    prompts = [tokenizer.encode(p, apply_chat_template=False) for p in load_test_prompts()]
+    reference = reference_greedy(fp32_dir, model, prompts)
+    log(f"{model_dir.name}: greedy, {len(prompts)} load-test prompts x {GREEDY_TOKENS} tokens")
+    return {"max_abs_logit_diff": max_diff, "max_abs_logit": max_logit,
+            "logits_checked": f"last position of a left-padded batch of {len(LOGIT_PROMPTS)}, prefill and "
+                              f"{DECODE_STEPS_CHECKED} decode steps, against fp32 PyTorch",
+            "greedy_agreement": agreement(engine_greedy(decoder, prompts), reference)}
+
+
+def judge(variant: str, measured: dict) -> dict:
+    max_diff, share = THRESHOLDS[variant]
+    passed = (measured["max_abs_logit_diff"] <= max_diff
+              and measured["greedy_agreement"]["identical_share"] >= share)
+    return {**measured, "thresholds": {"max_abs_logit_diff": max_diff, "greedy_identical_share": share},
+            "passed": passed}
+
+
+def check_variant(fp32_dir: Path, variant_dir: Path, variant: str, build: dict) -> dict:
+    report = {"variant": variant, "build": build, **judge(variant, measure(fp32_dir, variant_dir))}
+    (variant_dir / PARITY_REPORT_FILE).write_text(json.dumps(report, indent=2))
+    g = report["greedy_agreement"]
+    log(f"{variant}: max |Δ logits| {report['max_abs_logit_diff']:.3g}; greedy identical {g['identical']}/"
+        f"{g['prompts']} over {g['tokens']} tokens, mean {g['mean_tokens_to_first_difference']:.1f} tokens to the "
+        f"first difference; {'passed' if report['passed'] else 'FAILED'}")
+    return report
