@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
 # fp16 (scripts/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT.
-QUANT ?= fp32
+QUANT ?= int4
 QUANTS := int4 int4-fast int8 fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)

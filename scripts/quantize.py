@@ -98,7 +98,7 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -
     """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). Returns statistics."""
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
-    replaced = {}
+    replaced: dict[str, list[onnx.NodeProto]] = {}
     block_sums: dict[str, str] = {}
     spreads = []
     for node in constant_matmuls(model):
@@ -132,11 +132,11 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -
             nodes += [helper.make_node("MatMul", [sums, f"{node.name}.residual"], [f"{y}.residual"],
                                        name=f"{node.name}.residual"),
                       helper.make_node("Add", [f"{y}.blocks", f"{y}.residual"], [y], name=f"{node.name}.exact")]
-        graph.initializer.extend(numpy_helper.from_array(v, k_) for k_, v in new_initializers.items())
-        replaced[node.name] = nodes
+        graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in new_initializers.items())
+        replaced[y] = nodes  # output names are unique in a graph; node names need not be
     rebuilt = []
     for node in graph.node:
-        rebuilt += replaced.get(node.name, [node])
+        rebuilt += replaced.get(node.output[0], [node]) if node.output else [node]
     del graph.node[:]
     graph.node.extend(rebuilt)
     _use_ms_domain(model)
