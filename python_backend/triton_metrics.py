@@ -38,6 +38,15 @@ class TritonMetricsObserver(EngineObserver):
         self.waiting = make("llm_waiting_sequences", "Sequences waiting to be admitted", family.GAUGE)
         self.kv_bytes = make("llm_kv_cache_bytes", "Bytes held by the batch's KV cache", family.GAUGE)
         self.waste = make("llm_padding_waste_ratio", "padding tokens / computed tokens, since start", family.GAUGE)
+        # The bounds, so that alerts can compare with them (queue near full, KV cache near its budget).
+        self.max_queue = make("llm_max_queue_size", "Waiting sequences beyond this are refused", family.GAUGE)
+        self.kv_budget = make("llm_kv_cache_budget_bytes",
+                              "The most bytes llm_kv_cache_bytes may reach (the KV budget, padding included)",
+                              family.GAUGE)
+
+    def set_limits(self, max_queue_size: int, kv_budget_bytes: int) -> None:
+        self.max_queue.set(max_queue_size)
+        self.kv_budget.set(kv_budget_bytes)
 
     def on_prefill(self, computed: int, padding: int) -> None:
         super().on_prefill(computed, padding)

@@ -213,19 +213,45 @@ def _stop_process(process: subprocess.Popen, timeout_s: float = 20) -> int:
     return process.returncode
 
 
+def health_metrics(state: dict) -> bytes:
+    """The supervisor's view in Prometheus' text format, for alerts on what Triton's own metrics cannot show (a dead
+    model process leaves Triton's /metrics answering)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class HealthCollector:
+        def collect(self):
+            yield GaugeMetricFamily("triton_llm_ready", "1 while tritonserver is ready and every model process is "
+                                    "alive and making progress (what /health/ready answers 200 for)", value=state["ready"])
+            yield GaugeMetricFamily("triton_llm_recovering", "1 while the supervisor reloads a model or restarts "
+                                    "tritonserver", value=state["recovering"])
+            yield CounterMetricFamily("triton_llm_recoveries", "Reloads and restarts so far",
+                                      value=len(state["recoveries"]))
+
+    registry = CollectorRegistry()
+    registry.register(HealthCollector())
+    return generate_latest(registry)
+
+
 def serve_health(supervisor: Supervisor, address: str, port: int) -> ThreadingHTTPServer:
-    """GET /health/ready (200 or 503) and /health/live (200), each with the supervisor's JSON, on a thread."""
+    """GET /health/ready (200 or 503) and /health/live (200), each with the supervisor's JSON, and /metrics (the
+    same in Prometheus' format), on a thread."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the name http.server calls
+            if self.path == "/metrics":
+                self._send(200, "text/plain; version=0.0.4", health_metrics(supervisor.health()))
+                return
             if self.path not in ("/health/ready", "/health/live", "/health"):
-                self.send_error(404, "try /health/ready or /health/live")
+                self.send_error(404, "try /health/ready, /health/live or /metrics")
                 return
             state = supervisor.health()
             status = 200 if self.path != "/health/ready" or state["ready"] else 503
-            body = json.dumps(state).encode()
+            self._send(status, "application/json", json.dumps(state).encode())
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

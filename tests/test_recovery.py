@@ -175,3 +175,14 @@ def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
     assert not process_alive(fault.pid), "the frozen process was killed, not left behind"
     print(f"llm frozen: requests failed after {max(e[1] for e in errors):.1f} s, "
           f"recovered in {health['recoveries'][-1]['took_s']} s after detection")
+
+
+def test_the_supervisor_reports_readiness_and_recoveries_as_prometheus_metrics(supervised):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    health = supervised.wait_ready(120)
+    with urllib.request.urlopen(f"http://127.0.0.1:{supervised.health_port}/metrics", timeout=5) as response:
+        samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
+                   for s in family.samples}
+    assert samples["triton_llm_ready"] == 1 and samples["triton_llm_recovering"] == 0
+    assert samples["triton_llm_recoveries_total"] == len(health["recoveries"])

@@ -38,6 +38,7 @@ class TritonPythonModel:
                                                  decoder.cache_shape.bytes_per_token())
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})
+        observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
         self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]))
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
