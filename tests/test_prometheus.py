@@ -1,6 +1,6 @@
 """deploy/prometheus/ checked with Prometheus' own tools: promtool validates the config and the rules and runs the
 alerts' unit tests (rules_test.yml); a real Prometheus scrapes a real tritonserver's metrics port and finds every
-metric the rules read, and the recording rules give series. Skipped where Debian's `prometheus` package is not
+metric the rules read, the recording rules give series, and so does every query of the Grafana dashboard. Skipped where Debian's `prometheus` package is not
 installed (`apt-get install prometheus`; .ci/run installs it)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts import grafana_dashboard
 from scripts.llm_client import GenerateClient
 from scripts.triton_server import PROJECT_ROOT, Ports, terminate
 
@@ -70,7 +71,8 @@ def test_a_real_prometheus_scrapes_every_metric_the_rules_use(server, tmp_path):
                                    stdout=log, stderr=subprocess.STDOUT)
     try:
         wanted = rule_metric_names() - NOT_FROM_TRITON
-        recorded = {"llm:output_tokens:rate1m", "llm:kv_cache_budget:ratio", "llm:queue_bound:ratio"}
+        groups = yaml.safe_load((PROMETHEUS_DIR / "rules.yml").read_text())["groups"]
+        recorded = {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
         missing = wanted | recorded
         deadline = time.monotonic() + 120
         while missing and time.monotonic() < deadline:
@@ -82,6 +84,9 @@ def test_a_real_prometheus_scrapes_every_metric_the_rules_use(server, tmp_path):
             missing = (wanted | recorded) - scraped
         assert not missing, f"not scraped or recorded within 120 s: {sorted(missing)}; see {tmp_path / 'prometheus.log'}"
         assert query(url, 'up{job="triton"}')[0]["value"][1] == "1"
+        for expr in grafana_dashboard.queries(grafana_dashboard.dashboard()):
+            if not set(NOT_FROM_TRITON) & set(re.findall(r"[a-z_]+", expr)):
+                assert query(url, expr), f"the dashboard's query {expr!r} gave no series"
         limits = {r["metric"]["__name__"]: float(r["value"][1])
                   for r in query(url, '{__name__=~"llm_max_queue_size|llm_kv_cache_budget_bytes"}')}
         assert limits["llm_max_queue_size"] == 256 and limits["llm_kv_cache_budget_bytes"] > 0

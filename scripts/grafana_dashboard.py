@@ -1,0 +1,94 @@
+"""The Grafana dashboard for the Triton LLM server, as provisioned JSON (deploy/grafana/dashboards/triton-llm.json).
+
+    python -m scripts.grafana_dashboard          # writes deploy/grafana/dashboards/triton-llm.json
+
+Every query reads either a recording rule of deploy/prometheus/rules.yml or a metric that Triton's metrics port or
+the supervisor's /metrics serves; tests/test_grafana_dashboard.py keeps the JSON in step with this file and
+tests/test_prometheus.py runs every query against a real Prometheus scraping a real server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUTPUT = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "triton-llm.json"
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+WIDTH, HEIGHT = 12, 8
+
+
+def panel(title: str, unit: str, *queries: tuple[str, str], kind: str = "timeseries", description: str = "") -> dict:
+    """queries: (PromQL, legend)."""
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [{"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}
+                    for i, (expr, legend) in enumerate(queries)],
+    }
+
+
+PANELS = [
+    panel("Ready (supervisor)", "none", ("triton_llm_ready", "{{instance}}"), kind="stat",
+          description="1 while tritonserver is ready and every model process is alive and making progress"),
+    panel("Output tokens/s", "short", ("llm:output_tokens:rate1m", "{{variant}}")),
+    panel("Time to first token", "s",
+          ("llm:time_to_first_token_seconds:p50_5m", "p50 {{variant}}"),
+          ("llm:time_to_first_token_seconds:p95_5m", "p95 {{variant}}"),
+          ("llm:time_to_first_token_seconds:p99_5m", "p99 {{variant}}"),
+          description="From the engine's histogram (arrival at the llm model to the first token); objective: p95 < 2 s"),
+    panel("Inter-token latency", "s",
+          ("llm:inter_token_latency_seconds:p50_5m", "p50 {{variant}}"),
+          ("llm:inter_token_latency_seconds:p95_5m", "p95 {{variant}}")),
+    panel("Engine batch size (mean sequences per decode step)", "short", ("llm:batch_size:mean_5m", "{{model}}")),
+    panel("Running and waiting sequences", "short",
+          ("llm_running_sequences", "running"), ("llm_waiting_sequences", "waiting"),
+          ("llm_max_queue_size", "queue bound (503 beyond)")),
+    panel("KV cache", "bytes", ("llm_kv_cache_bytes", "held"), ("llm_kv_cache_budget_bytes", "budget")),
+    panel("Padding waste", "percentunit", ("llm:padding_waste:ratio_5m", "{{model}}"),
+          description="Computed positions that were padding or finished rows"),
+    panel("Triton queue time (mean per request)", "s", ("triton:queue_duration_seconds:mean_5m", "{{model}}")),
+    panel("Requests/s", "reqps",
+          ("sum by (model) (rate(nv_inference_request_success[1m]))", "ok {{model}}"),
+          ("sum by (model) (rate(nv_inference_request_failure[1m]))", "failed {{model}}")),
+    panel("Error rate", "percentunit", ("triton:request_errors:ratio_5m", "{{model}}"),
+          description="Failed / all requests of ensemble and ensemble_unary; alert above 5 %"),
+]
+
+
+def dashboard() -> dict:
+    panels = []
+    for i, p in enumerate(PANELS):
+        panels.append({**p, "id": i + 1, "gridPos": {"x": (i % 2) * WIDTH, "y": (i // 2) * HEIGHT, "w": WIDTH,
+                                                      "h": HEIGHT}})
+    return {
+        "uid": "triton-llm",
+        "title": "Triton LLM serving",
+        "tags": ["triton", "llm"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "panels": panels,
+    }
+
+
+def queries(board: dict) -> list[str]:
+    return [target["expr"] for p in board["panels"] for target in p["targets"]]
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main() -> int:
+    OUTPUT.write_text(render())
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
