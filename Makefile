@@ -21,7 +21,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv model variants demo serve test benchmark sweep sweep-quick perf-inputs clean
+.PHONY: venv model model-dir variants demo serve test benchmark sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 model: venv
 	$(PY) -m scripts.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
 	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.quantize --quant $(QUANT) --source $(EXPORT_DIR))
+
+# The folder that serve, demo and benchmark use (docker/compose.yaml asks it).
+model-dir:
+	@echo $(abspath $(MODEL_DIR))
 
 # Every quantized variant, each checked against its parity thresholds (make test serves each once).
 variants: model

