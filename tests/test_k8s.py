@@ -49,7 +49,7 @@ def test_each_overlay_builds_and_is_valid(overlay, tmp_path):
     (tmp_path / "built.yaml").write_text(yaml.safe_dump_all(documents))
     validate(tmp_path / "built.yaml")
     assert {d["kind"] for d in documents} == {"Deployment", "Service", "PodDisruptionBudget",
-                                               "HorizontalPodAutoscaler", "PersistentVolumeClaim"}
+                                               "HorizontalPodAutoscaler", "PersistentVolumeClaim", "NetworkPolicy"}
 
 
 @kubectl
