@@ -17,11 +17,13 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_api.errors import APIError, InvalidRequest, TooLarge, unknown_model
 from openai_api.generation import Choice, complete, first_pieces, stream_events
+from openai_api.metrics import ApiMetrics, MetricsMiddleware
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs
 from openai_api.token_text import TokenTexts
@@ -120,6 +122,8 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     app = FastAPI(title="OpenAI-compatible API for Triton", lifespan=lifespan, openapi_url=None)
     app.state.service = service
+    metrics = ApiMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -187,6 +191,10 @@ def create_app(config: ServiceConfig) -> FastAPI:
     @app.get("/health/live")
     async def live():
         return {"live": True}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

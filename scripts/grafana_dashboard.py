@@ -56,6 +56,11 @@ PANELS = [
           ("sum by (model) (rate(nv_inference_request_failure[1m]))", "failed {{model}}")),
     panel("Error rate", "percentunit", ("triton:request_errors:ratio_5m", "{{model}}"),
           description="Failed / all requests of ensemble and ensemble_unary; alert above 5 %"),
+    panel("OpenAI API requests/s", "reqps",
+          ("sum by (endpoint, status) (rate(openai_api_requests_total[1m]))", "{{endpoint}} {{status}}")),
+    panel("OpenAI API time to response start (streams: first token)", "s",
+          ("histogram_quantile(0.95, sum by (le, endpoint) (rate(openai_api_response_start_seconds_bucket[5m])))",
+           "p95 {{endpoint}}")),
 ]
 
 

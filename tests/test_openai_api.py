@@ -383,3 +383,26 @@ def test_ready_needs_triton_its_models_and_the_health_url(server, model_dir, ser
             assert local.get("/health/live").status_code == 200
     finally:
         stub.server.shutdown()
+
+
+def test_metrics_count_requests_by_endpoint_and_status_and_time_their_start(client, model, service):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{service}/metrics", timeout=10) as response:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(response.read().decode()) for s in family.samples}
+
+    before = samples()
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=5)
+    after = samples()
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("openai_api_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert delta("openai_api_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert delta("openai_api_response_start_seconds_count", endpoint="/v1/completions") == 2

@@ -23,9 +23,9 @@ from scripts.triton_server import PROJECT_ROOT, Ports, terminate
 
 PROMETHEUS_DIR = PROJECT_ROOT / "deploy" / "prometheus"
 NEEDS = "needs Debian's prometheus package (apt-get install prometheus), which .ci/run installs"
-# Series that come from elsewhere than Triton's metrics port: Prometheus' own `up`, and the supervisor's /metrics
-# (checked against a supervised server in tests/test_recovery.py).
-NOT_FROM_TRITON = {"triton_llm_ready"}
+# Series that come from elsewhere than Triton's metrics port: the supervisor's /metrics (checked against a supervised
+# server in tests/test_recovery.py) and the OpenAI API's (tests/test_openai_api.py).
+NOT_FROM_TRITON = {"triton_llm_ready", "openai_api_requests_total", "openai_api_response_start_seconds_bucket"}
 
 promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=NEEDS)
 
