@@ -332,3 +332,33 @@ def test_a_grpc_stream_broken_mid_run_reports_its_cause(server, tmp_path):
     assert sum(errors.values()) > 2, errors  # the requests in flight, and those sent after the cut
     for error in errors:
         assert re.match(r"[A-Z_]+: \S", error) and "no longer in valid state" not in error, errors
+
+
+def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(server, tmp_path):
+    """The compose stack's Locust: a master and two workers (docker/compose.yaml's commands), here as processes. The
+    workers are told the users too: a worker checks every user it may run at start, and there is no OpenAI service
+    here for ChatStreamUser."""
+    master_port = _free_port_pair()
+    users = ["StreamUser", "GrpcStreamUser"]
+    target = ["--host", f"http://127.0.0.1:{server.http}", "--grpc-url", f"127.0.0.1:{server.grpc}"]
+    locust = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE)]
+    workers = [subprocess.Popen([*locust, *users, "--worker", "--master-host", "127.0.0.1", "--master-port", str(master_port),
+                                 *target, "--loglevel", "WARNING"], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        master = subprocess.run([*locust, *users, "--master", "--master-bind-port",
+                                 str(master_port), "--expect-workers", "2", "--expect-workers-max-wait", "120",
+                                 "--headless", "--only-summary", "-u", "4", "-r", "4", "-t", "5s", "--stop-timeout",
+                                 "30", "--csv", str(tmp_path / "locust"), "--max-tokens", "fixed:8", *target],
+                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        for worker in workers:
+            try:
+                worker.wait(timeout=60)  # the master tells its workers to quit when it ends
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    assert master.returncode == 0, master.stderr[-3000:]
+    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "locust_stats.csv"))}
+    for name in ("generate_stream", "grpc_stream"):
+        assert int(rows[name]["Request Count"]) > 0 and rows[name]["Failure Count"] == "0", (name, rows.get(name))
+    assert all(worker.returncode == 0 for worker in workers), [w.stderr.read()[-2000:] for w in workers]
