@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from scripts import grouped_attention, variant_parity  # noqa: E402
+from scripts.build_marks import EXPORT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 
-COMPLETE_FILE = "export_complete.json"
 EXPORT_FORMAT = 4  # bump when the exported graph changes, so that `make model` exports again
 DEFAULT_OUTPUT = Path("build/model")
 PARITY_PROMPTS = [
@@ -225,13 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"source {source} does not exist")
     output = args.output
     fingerprint = source_fingerprint(source)
-    done = output / COMPLETE_FILE
-    if not args.force and done.is_file() and json.loads(done.read_text()) == fingerprint:
+    if not args.force and up_to_date(output, EXPORT_MARK, fingerprint):
         log(f"{output} is up to date with {source.name}; skipping (use --force to redo)")
         return 0
-    if output.exists():
-        shutil.rmtree(output)
-    output.mkdir(parents=True)
+    start_fresh(output)
     torch.manual_seed(0)
     hf_dir, model, tokenizer = load_source(source, output)
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
@@ -247,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not report["passed"]:
         log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}")
         return 1
-    done.write_text(json.dumps(fingerprint))
+    mark_complete(output, EXPORT_MARK, fingerprint)
     log(f"done: {output}")
     return 0
 

@@ -35,10 +35,10 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from scripts import block_quantization  # noqa: E402
+from scripts.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.variant_parity import GREEDY_REFERENCE_FILE  # noqa: E402
 
 FORMAT = 1  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
-COMPLETE_FILE = "quantize_complete.json"
 MS_DOMAIN = "com.microsoft"
 
 
@@ -183,7 +183,7 @@ def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
 
 def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
     """Tokenizer and settings from the fp32 export; settings say which variant this is."""
-    own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, "export_complete.json", GREEDY_REFERENCE_FILE}
+    own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, EXPORT_MARK, GREEDY_REFERENCE_FILE}
     for item in source.iterdir():
         if item.is_file() and item.name not in own_files:
             shutil.copy2(item, output / item.name)
@@ -206,7 +206,7 @@ def _drop_unused_initializers(model: onnx.ModelProto) -> None:
 
 
 def fingerprint(source: Path, recipe: Recipe) -> dict:
-    export = json.loads((source / "export_complete.json").read_text())
+    export = json.loads((source / EXPORT_MARK).read_text())
     return {"export": export, "recipe": asdict(recipe), "format": FORMAT}
 
 
@@ -220,18 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant == "fp32":
         log(f"fp32 is the export itself: {args.source}")
         return 0
-    if not (args.source / "export_complete.json").is_file():
+    if not (args.source / EXPORT_MARK).is_file():
         parser.error(f"{args.source} is not a complete export; run `make model` (scripts/export_onnx.py) first")
     recipe = RECIPES[args.quant]
     output = args.output or variant_dir(args.source, args.quant)
     wanted = fingerprint(args.source, recipe)
-    done = output / COMPLETE_FILE
-    if not args.force and done.is_file() and json.loads(done.read_text()) == wanted:
+    if not args.force and up_to_date(output, VARIANT_MARK, wanted):
         log(f"{output} is up to date; skipping (use --force to redo)")
         return 0
-    if output.exists():
-        shutil.rmtree(output)
-    output.mkdir(parents=True)
+    start_fresh(output)
     started = time.monotonic()
     stats = build_variant(args.source, output, recipe)
     copy_model_files(args.source, output, recipe)
@@ -241,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     report = check_variant(args.source, output, recipe.name, stats)
     if not report["passed"]:  # the thresholds are the default model's (make test); another model may differ
         log(f"WARNING: parity below the thresholds set for the default model: see {output / PARITY_REPORT_FILE}")
-    done.write_text(json.dumps(wanted))
+    mark_complete(output, VARIANT_MARK, wanted)
     log(f"done: {output}")
     return 0
 

@@ -1,0 +1,29 @@
+"""Generated folders (the export, its weight variants) that are built again only when what they come from changed.
+
+A folder is complete when its mark file holds the fingerprint of its inputs; the mark is written last, so a build
+that stopped half-way is redone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+EXPORT_MARK = "export_complete.json"
+VARIANT_MARK = "quantize_complete.json"
+
+
+def up_to_date(output: Path, mark: str, fingerprint: dict) -> bool:
+    done = output / mark
+    return done.is_file() and json.loads(done.read_text()) == fingerprint
+
+
+def start_fresh(output: Path) -> None:
+    """An empty output folder: what a previous build left is removed."""
+    if output.exists():
+        shutil.rmtree(output)
+    output.mkdir(parents=True)
+
+
+def mark_complete(output: Path, mark: str, fingerprint: dict) -> None:
+    (output / mark).write_text(json.dumps(fingerprint))
