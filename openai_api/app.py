@@ -29,7 +29,7 @@ from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, Com
 from openai_api.token_text import TokenTexts
 from openai_api.triton_backend import EnsembleRequest, TritonBackend
 from python_backend.model_files import SETTINGS_FILE, ModelSettings
-from python_backend.tokenization import PromptTokenizer
+from python_backend.serving.tokenization import PromptTokenizer
 
 log = logging.getLogger("openai_api")
 MAX_BODY_BYTES = 1 << 20  # the ensemble takes prompts of up to 64 KiB; this bounds the tokenization done here

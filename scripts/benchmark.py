@@ -87,7 +87,7 @@ def median_run(runs: list[Row]) -> Row:
 def plain_static_batch(decoder, sequences) -> float:
     """The textbook static batch, without the engine: left-pad every prompt to the longest, prefill once, then
     decode the whole batch (finished rows included) until every row has finished. Greedy. Returns padding waste."""
-    from python_backend.kv_batch import KVBatch
+    from python_backend.engine.kv_batch import KVBatch
 
     batch, logits, wasted = KVBatch.prefill(decoder, [s.prompt_ids for s in sequences])
     computed = batch.size * batch.cache_len
@@ -104,12 +104,12 @@ def plain_static_batch(decoder, sequences) -> float:
 
 
 def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
-    from python_backend.engine import generate
+    from python_backend.engine.loop import generate
     from python_backend.model_files import ONNX_FILE, ModelSettings
-    from python_backend.onnx_decoder import OnnxDecoder
-    from python_backend.sampling import SamplingParams
-    from python_backend.sequence import Sequence
-    from python_backend.tokenization import PromptTokenizer
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.sequence import Sequence
+    from python_backend.serving.tokenization import PromptTokenizer
 
     tokenizer, decoder = PromptTokenizer(model_dir), OnnxDecoder(model_dir / ONNX_FILE)
     eos = ModelSettings.load(model_dir).eos_token_ids
@@ -151,7 +151,7 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
         batched(f"engine without server, {strategy}",
                 lambda seqs, strategy=strategy: generate(decoder, seqs, strategy=strategy).padding_waste())
     # Raw decode: one step for a batch of N at past length 128.
-    from python_backend.kv_batch import KVBatch
+    from python_backend.engine.kv_batch import KVBatch
 
     batch, _, _ = KVBatch.prefill(decoder, [[1] * 128] * len(requests))
     tokens = np.ones(len(requests), np.int64)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from python_backend.memory_planner import DTYPE_BYTES, PRESETS, ModelShape, kv_bytes_per_token, plan
+from python_backend.engine.memory_planner import DTYPE_BYTES, PRESETS, ModelShape, kv_bytes_per_token, plan
 
 GIB = 2**30
 

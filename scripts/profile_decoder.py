@@ -18,9 +18,9 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from python_backend.kv_batch import KVBatch
+from python_backend.engine.kv_batch import KVBatch
 from python_backend.model_files import ONNX_FILE
-from python_backend.onnx_decoder import OnnxDecoder
+from python_backend.runtime.onnx_decoder import OnnxDecoder
 
 
 def profile(model_dir: Path, batch: int, past: int, steps: int) -> tuple[dict[str, float], float, float]:

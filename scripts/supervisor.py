@@ -2,7 +2,7 @@
 
 Triton's own ``/v2/health/ready`` keeps answering 200 after a Python model's process dies, and Triton restarts no
 decoupled model by itself. The supervisor runs tritonserver in explicit model-control mode and reads the heartbeats
-the models write (python_backend/heartbeat.py) every ``check_interval_s``:
+the models write (python_backend/serving/heartbeat.py) every ``check_interval_s``:
 
 - the ``llm`` model's process died or its engine stalled: reload ``llm`` through Triton's repository API (a new
   process; a stalled one is killed first; the front model fails the requests that were in flight when it sees the
@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from python_backend.heartbeat import InstanceHealth, process_alive, read_health, runtime_dir
+from python_backend.serving.heartbeat import InstanceHealth, process_alive, read_health, runtime_dir
 
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 

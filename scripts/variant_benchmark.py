@@ -55,7 +55,7 @@ def llm_process_rss_mb() -> float:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    from python_backend.onnx_decoder import OnnxDecoder
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
 
     return OnnxDecoder(model_dir / ONNX_FILE).cache_shape.bytes_per_token()
 

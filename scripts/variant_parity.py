@@ -63,7 +63,7 @@ def max_logit_difference(model, decoder, prompts: list[list[int]], decode_steps:
     prefill and decode_steps steps fed with PyTorch's greedy tokens."""
     import torch
 
-    from python_backend.kv_batch import KVBatch
+    from python_backend.engine.kv_batch import KVBatch
 
     batch, onnx_logits, _ = KVBatch.prefill(decoder, prompts)
     ids = np.zeros_like(batch.attention_mask)
@@ -117,9 +117,9 @@ def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[li
 
 
 def engine_greedy(decoder, prompts: list[list[int]]) -> list[list[int]]:
-    from python_backend.engine import generate
-    from python_backend.sampling import SamplingParams
-    from python_backend.sequence import Sequence
+    from python_backend.engine.loop import generate
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.sequence import Sequence
 
     params = SamplingParams(max_tokens=GREEDY_TOKENS)  # no end_ids: EOS does not stop the comparison
     sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
@@ -139,8 +139,8 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
 
 def measure(fp32_dir: Path, model_dir: Path, model=None) -> dict:
     """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and greedy cache)."""
-    from python_backend.onnx_decoder import OnnxDecoder
-    from python_backend.tokenization import PromptTokenizer
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
+    from python_backend.serving.tokenization import PromptTokenizer
 
     settings = json.loads((fp32_dir / SETTINGS_FILE).read_text())
     model = model if model is not None else load_reference_model(settings["hf_dir"])

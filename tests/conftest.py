@@ -25,14 +25,14 @@ def settings(model_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def decoder(model_dir):
-    from python_backend.onnx_decoder import OnnxDecoder
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
 
     return OnnxDecoder(model_dir / ONNX_FILE)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from python_backend.tokenization import PromptTokenizer
+    from python_backend.serving.tokenization import PromptTokenizer
 
     return PromptTokenizer(model_dir)
 

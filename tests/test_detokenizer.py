@@ -1,4 +1,4 @@
-from python_backend.detokenizer import IncrementalDetokenizer
+from python_backend.serving.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world, this is a test.",

@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from python_backend.engine import Engine, QueueFullError, generate
-from python_backend.fault_injection import FaultyDecoder
+from python_backend.engine.loop import Engine, QueueFullError, generate
+from python_backend.runtime.fault_injection import FaultyDecoder
 from python_backend.errors import InvalidRequestError
-from python_backend.sampling import SamplingParams
-from python_backend.scheduler import SchedulerConfig
-from python_backend.sequence import Sequence
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.engine.sequence import Sequence
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):", "Name a color."]
 MAX_TOKENS = [12, 6, 10, 8, 5]
@@ -262,7 +262,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts
 
 
 def test_prefill_chunks_keep_padding_low_and_lose_no_sequence():
-    from python_backend.engine import length_sorted_chunks
+    from python_backend.engine.loop import length_sorted_chunks
 
     seqs = [Sequence(prompt_ids=[1] * n, params=SamplingParams(max_tokens=1)) for n in (5, 60, 7, 58, 30, 6, 31)]
     chunks = length_sorted_chunks(seqs, max_padding=0.10)
@@ -350,7 +350,7 @@ def test_max_prefill_tokens_bounds_every_strategys_prefill_step(decoder, prompts
 
 
 def test_the_config_parameters_make_the_scheduler_config():
-    from python_backend.kv_batch import KV_PEAK_FACTOR
+    from python_backend.engine.kv_batch import KV_PEAK_FACTOR
 
     params = {"batching_strategy": "static", "kv_cache_budget_mb": "1", "max_queue_size": "3",
               "max_prefill_tokens": "64", "static_batch_size": "", "static_timeout_ms": "250", "length_buckets": "8, 32"}

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from python_backend.errors import UnavailableError
-from python_backend.front_requests import InFlight, Reply, Watchdog
+from python_backend.serving.front_requests import InFlight, Reply, Watchdog
 
 
 def recording_reply(log, key="k", cancelled=lambda: False, on_final=lambda: None):

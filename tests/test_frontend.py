@@ -1,6 +1,6 @@
 import pytest
 
-from python_backend.frontend import CancellationWatch, StopStrings, text_deltas
+from python_backend.serving.frontend import CancellationWatch, StopStrings, text_deltas
 
 ANSWER = "The capital of France is Paris."
 

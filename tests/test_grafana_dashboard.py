@@ -22,7 +22,7 @@ def test_the_committed_json_is_what_the_generator_writes():
 def test_every_query_reads_a_recording_rule_or_an_exported_metric():
     groups = yaml.safe_load((PROJECT_ROOT / "deploy" / "prometheus" / "rules.yml").read_text())["groups"]
     recorded = {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
-    exported = set(re.findall(r'make\("(llm_[a-z_]+)"', (PROJECT_ROOT / "python_backend" / "triton_metrics.py")
+    exported = set(re.findall(r'make\("(llm_[a-z_]+)"', (PROJECT_ROOT / "python_backend" / "serving" / "triton_metrics.py")
                               .read_text())) | {"triton_llm_ready", "nv_inference_request_success",
                                                 "nv_inference_request_failure", "openai_api_requests_total",
                                                 "openai_api_response_start_seconds_bucket"}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from python_backend.heartbeat import Heartbeat, PeerLiveness, judge, process_alive, read_health
+from python_backend.serving.heartbeat import Heartbeat, PeerLiveness, judge, process_alive, read_health
 
 
 def test_a_heartbeat_is_written_and_read_back_as_ok(tmp_path):

@@ -81,6 +81,6 @@ def test_the_pieces_fit_the_project_and_each_other():
     hpa = manifests["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
-    assert f'make("{metric}"' in (PROJECT_ROOT / "python_backend" / "triton_metrics.py").read_text()
+    assert f'make("{metric}"' in (PROJECT_ROOT / "python_backend" / "serving" / "triton_metrics.py").read_text()
     adapter = yaml.safe_load((K8S / "prometheus-adapter-rules.yaml").read_text())
     assert adapter["rules"][0]["name"]["matches"] == metric

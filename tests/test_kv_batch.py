@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from python_backend.engine import choose_next, generate, length_sorted_chunks
-from python_backend.kv_batch import KVBatch
-from python_backend.sampling import SamplingParams
-from python_backend.sequence import Sequence
+from python_backend.engine.loop import choose_next, generate, length_sorted_chunks
+from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
 
 PROMPTS = [
     "What is the capital of France?",

@@ -2,7 +2,7 @@
 
 import threading
 
-from python_backend.outbox import Outbox
+from python_backend.engine.outbox import Outbox
 
 
 def test_runs_callbacks_in_order_on_its_own_thread_and_survives_a_failure(capsys):

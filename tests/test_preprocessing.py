@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from python_backend.errors import InvalidRequestError
-from python_backend.preprocessing import Preprocessor
-from python_backend.request_inputs import STOP_SEPARATOR, decode_stop_sequences
+from python_backend.serving.preprocessing import Preprocessor
+from python_backend.serving.request_inputs import STOP_SEPARATOR, decode_stop_sequences
 
 
 def inputs(**values):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from python_backend.heartbeat import process_alive
+from python_backend.serving.heartbeat import process_alive
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
 from scripts.triton_server import Ports, server_environment

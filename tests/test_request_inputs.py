@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from python_backend.errors import InvalidRequestError
-from python_backend.request_inputs import decode_stop_sequences, encode_stop_sequences, scalar, text_list
+from python_backend.serving.request_inputs import decode_stop_sequences, encode_stop_sequences, scalar, text_list
 
 
 def getter(**tensors):

@@ -1,5 +1,5 @@
-from python_backend.sampling import SamplingParams, TokenLogprob
-from python_backend.sequence import Sequence
+from python_backend.engine.sampling import SamplingParams, TokenLogprob
+from python_backend.engine.sequence import Sequence
 
 
 def make(**kwargs):

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from python_backend.model_files import MODEL_DIR_ENV
-from python_backend.tokenization import PromptTokenizer
+from python_backend.serving.tokenization import PromptTokenizer
 from scripts.llm_client import GenerateClient
 from scripts.triton_server import PROJECT_ROOT, running_server
 

@@ -1,4 +1,4 @@
-"""TensorRT optimization profiles from the llm model's limits (python_backend/trt_profiles.py): every decoder input
+"""TensorRT optimization profiles from the llm model's limits (python_backend/runtime/trt_profiles.py): every decoder input
 of the real export has a range in each profile, every range holds its opt shape and the config's limits, and the
 two profiles are tuned for a decode step and a prefill."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from python_backend.trt_profiles import DecoderLimits, decode_point, optimization_profiles, prefill_point
+from python_backend.runtime.trt_profiles import DecoderLimits, decode_point, optimization_profiles, prefill_point
 from scripts.triton_server import DEFAULT_MODEL_REPOSITORY
 
 

@@ -1,4 +1,4 @@
-"""The user-facing model: validate and tokenize (python_backend/preprocessing.py) → the llm model's token stream
+"""The user-facing model: validate and tokenize (python_backend/serving/preprocessing.py) → the llm model's token stream
 (a BLS call) → incremental detokenization and stop strings → one answer, or a stream of text deltas.
 
 `ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
@@ -6,7 +6,7 @@ not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away make
 cancel request for its sequence (at its next token, or, over gRPC, within 0.1 s while it waits in the queue; Triton
 tells a model nothing about a closed HTTP connection before its first response): Triton does not pass cancellation
 into composed models by itself. When the llm model's process dies, the watchdog fails every
-request in flight at once (python_backend/front_requests.py)."""
+request in flight at once (python_backend/serving/front_requests.py)."""
 
 import secrets
 import threading
@@ -15,14 +15,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
-from python_backend.front_requests import InFlight, Reply, Watchdog, llm_unavailable
-from python_backend.frontend import USER_INPUTS, CancellationWatch, LlmChunk, response_outputs, text_deltas
-from python_backend.heartbeat import Heartbeat, PeerLiveness
+from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
+from python_backend.serving.frontend import USER_INPUTS, CancellationWatch, LlmChunk, response_outputs, text_deltas
+from python_backend.serving.heartbeat import Heartbeat, PeerLiveness
 from python_backend.model_files import resolve_model_dir
-from python_backend.preprocessing import Preprocessor
-from python_backend.request_inputs import scalar
-from python_backend.tokenization import PromptTokenizer
-from python_backend.triton_glue import error_response, model_config, parameters, request_parameters
+from python_backend.serving.preprocessing import Preprocessor
+from python_backend.serving.request_inputs import scalar
+from python_backend.serving.tokenization import PromptTokenizer
+from python_backend.serving.triton_glue import error_response, model_config, parameters, request_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

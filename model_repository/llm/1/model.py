@@ -7,17 +7,17 @@ when its client goes away: Triton does not pass cancellation into composed model
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backend.engine import Engine
+from python_backend.engine.loop import Engine
 from python_backend.errors import InvalidRequestError, tagged_message
-from python_backend.fault_injection import maybe_faulty
-from python_backend.heartbeat import Heartbeat
-from python_backend.llm_requests import LlmLimits, sequence_from_inputs
+from python_backend.runtime.fault_injection import maybe_faulty
+from python_backend.serving.heartbeat import Heartbeat
+from python_backend.serving.llm_requests import LlmLimits, sequence_from_inputs
 from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
-from python_backend.onnx_decoder import OnnxDecoder
-from python_backend.request_inputs import scalar
-from python_backend.scheduler import SchedulerConfig
-from python_backend.triton_glue import error_response, getter, model_config, parameters
-from python_backend.triton_metrics import TritonMetricsObserver
+from python_backend.runtime.onnx_decoder import OnnxDecoder
+from python_backend.serving.request_inputs import scalar
+from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
+from python_backend.serving.triton_metrics import TritonMetricsObserver
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -1,7 +1,7 @@
 """TensorRT optimization profiles for the exported decoder, derived from the `llm` model's limits.
 
 A TensorRT engine built from an ONNX graph with dynamic axes needs, for every dynamic input, a (min, opt, max)
-shape per optimization profile. The decoder's inputs (python_backend/onnx_decoder.py) have three dynamic sizes:
+shape per optimization profile. The decoder's inputs (python_backend/runtime/onnx_decoder.py) have three dynamic sizes:
 batch, new tokens in this call, and tokens already in the cache (past). Their bounds come from the `llm` config:
 batch 1..max_batch_size, new tokens 1..max_prefill_tokens, past 0..max_context_length - 1, and past + new at most
 max_context_length. Two profiles share those bounds and differ in their `opt` shapes, for which TensorRT tunes its

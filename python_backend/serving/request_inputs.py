@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.sampling import validate_sampling_values
+from python_backend.engine.sampling import validate_sampling_values
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 STOP_SEPARATOR = -1  # stop word token sequences travel as one flat INT32 tensor, separated by -1

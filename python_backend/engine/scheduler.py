@@ -15,8 +15,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from python_backend.kv_batch import KV_PEAK_FACTOR
-from python_backend.sequence import Sequence
+from python_backend.engine.kv_batch import KV_PEAK_FACTOR
+from python_backend.engine.sequence import Sequence
 
 STRATEGIES = ("continuous", "dynamic", "static")
 
@@ -39,7 +39,7 @@ class SchedulerConfig:
     @classmethod
     def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int) -> "SchedulerConfig":
         """From the llm model's config.pbtxt parameters. The KV budget bounds the real peak of cache memory,
-        KV_PEAK_FACTOR times the padded cache (python_backend/kv_batch.py)."""
+        KV_PEAK_FACTOR times the padded cache (python_backend/engine/kv_batch.py)."""
         budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
         return cls(
             strategy=params["batching_strategy"],

@@ -10,7 +10,7 @@ import threading
 from typing import Callable
 
 from python_backend.errors import UnavailableError
-from python_backend.periodic import Periodic
+from python_backend.serving.periodic import Periodic
 
 
 class Reply:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from python_backend.periodic import Periodic
+from python_backend.serving.periodic import Periodic
 
 RUNTIME_DIR_ENV = "TRITON_LLM_RUNTIME_DIR"
 HEARTBEAT_INTERVAL_S = 0.5

@@ -10,9 +10,9 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from python_backend.detokenizer import Decode, IncrementalDetokenizer
-from python_backend.periodic import Periodic
-from python_backend.preprocessing import PreparedRequest
+from python_backend.serving.detokenizer import Decode, IncrementalDetokenizer
+from python_backend.serving.periodic import Periodic
+from python_backend.serving.preprocessing import PreparedRequest
 
 # The ensemble's inputs, passed on to preprocessing as they came.
 USER_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",

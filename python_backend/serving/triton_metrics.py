@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from python_backend.engine import EngineObserver
+from python_backend.engine.loop import EngineObserver
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]

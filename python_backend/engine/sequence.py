@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from python_backend.sampling import SamplingParams, TokenChooser, TokenLogprob
+from python_backend.engine.sampling import SamplingParams, TokenChooser, TokenLogprob
 
 # emit(sequence, new_token_ids, finished, their log-probabilities or None): called (from the engine's outbox thread)
 # whenever a sequence has tokens to hand out.

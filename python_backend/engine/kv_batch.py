@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from python_backend.onnx_decoder import OnnxDecoder
+from python_backend.runtime.onnx_decoder import OnnxDecoder
 
 # The real peak of KV-cache memory is twice the padded cache: a decode step holds the past and the new present
 # (one column longer) at once, select() the old and the kept rows, extend() both batches and the merged one.

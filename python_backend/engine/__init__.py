@@ -1,0 +1,1 @@
+"""The generation engine: loop, scheduler, sequences, sampling, the KV-cache batch and the outbox."""

@@ -1,0 +1,2 @@
+"""What the Triton models do around the engine: request parsing, tokenization, detokenization, the front's logic,
+Triton glue, heartbeats and metrics."""
