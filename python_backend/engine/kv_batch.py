@@ -3,13 +3,14 @@
 Rows can be dropped (a sequence finished) and batches can be merged (new sequences join): both are copies made
 only when membership changes, never at every step. Left padding is masked out by ``attention_mask``, and each row
 keeps its own positions, so a sequence computes the same tokens wherever it sits in a batch.
+
+The cache lives where the decoder keeps it (``decoder.tensors``: numpy in host memory, or torch tensors on a
+device); the mask and the positions are small numpy arrays on the host, sent with every step.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from python_backend.runtime.onnx_decoder import OnnxDecoder
 
 # The real peak of KV-cache memory is twice the padded cache: a decode step holds the past and the new present
 # (one column longer) at once, select() the old and the kept rows, extend() both batches and the merged one.
@@ -18,10 +19,11 @@ KV_PEAK_FACTOR = 2
 
 
 class KVBatch:
-    def __init__(self, past: list[np.ndarray], attention_mask: np.ndarray, next_positions: np.ndarray):
+    def __init__(self, past: list, attention_mask: np.ndarray, next_positions: np.ndarray, tensors):
         self.past = past
         self.attention_mask = attention_mask  # [batch, cache_len], 0 where a row is left-padded
         self.next_positions = next_positions  # [batch], position id of each row's next token
+        self.tensors = tensors  # the decoder's: how cache tensors are made and indexed
 
     @property
     def size(self) -> int:
@@ -34,8 +36,11 @@ class KVBatch:
     def real_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for t in self.past)
+
     @classmethod
-    def prefill(cls, decoder: OnnxDecoder, prompts: list[list[int]]) -> tuple["KVBatch", np.ndarray, int]:
+    def prefill(cls, decoder, prompts: list[list[int]]) -> tuple["KVBatch", np.ndarray, int]:
         """Runs the prompts as one left-padded batch. Returns the batch, last-position logits [batch, vocab]
         and the number of padding tokens computed."""
         longest = max(len(p) for p in prompts)
@@ -48,9 +53,9 @@ class KVBatch:
         logits, present = decoder.forward(input_ids, mask, positions, decoder.empty_cache(len(prompts)))
         lengths = mask.sum(axis=1)
         padding = int(mask.size - lengths.sum())
-        return cls(present, mask, lengths.astype(np.int64)), logits[:, -1, :], padding
+        return cls(present, mask, lengths.astype(np.int64), decoder.tensors), logits[:, -1, :], padding
 
-    def step(self, decoder: OnnxDecoder, next_tokens: np.ndarray) -> np.ndarray:
+    def step(self, decoder, next_tokens: np.ndarray) -> np.ndarray:
         """Feeds one token per row; returns logits [batch, vocab]."""
         mask = np.concatenate([self.attention_mask, np.ones((self.size, 1), np.int64)], axis=1)
         logits, self.past = decoder.forward(
@@ -66,24 +71,25 @@ class KVBatch:
         mask = self.attention_mask[index]
         first_real = int(np.argmax(mask.any(axis=0))) if mask.size else 0
         self.attention_mask = mask[:, first_real:]
-        self.past = [np.take(t[:, :, first_real:, :], index, axis=0) for t in self.past]  # one copy, contiguous
+        kept = self.tensors.rows(index)
+        self.past = [t[:, :, first_real:, :][kept] for t in self.past]  # one copy each, contiguous
         self.next_positions = self.next_positions[index]
 
     def extend(self, other: "KVBatch") -> None:
         """Appends other's rows, left-padding whichever cache is shorter (each tensor is copied once)."""
         length = max(self.cache_len, other.cache_len)
-        self.past = [_stack_right_aligned(a, b, length) for a, b in zip(self.past, other.past)]
-        self.attention_mask = _stack_right_aligned(self.attention_mask, other.attention_mask, length)
+        self.past = [_stack_right_aligned(self.tensors, a, b, length) for a, b in zip(self.past, other.past)]
+        self.attention_mask = _stack_right_aligned(np, self.attention_mask, other.attention_mask, length)
         self.next_positions = np.concatenate([self.next_positions, other.next_positions])
 
 
-def _stack_right_aligned(top: np.ndarray, bottom: np.ndarray, length: int) -> np.ndarray:
+def _stack_right_aligned(tensors, top, bottom, length: int):
     """Rows of top then bottom, each right-aligned along axis 2 of a cache tensor (axis 1 of a mask), zeros
-    on the left."""
+    on the left. ``tensors`` makes the zeros where top lives (numpy itself for the host mask)."""
     axis = 2 if top.ndim == 4 else 1
     shape = list(top.shape)
     shape[0], shape[axis] = top.shape[0] + bottom.shape[0], length
-    out = np.zeros(shape, top.dtype)
+    out = tensors.zeros(shape, top.dtype)
     index = [slice(None)] * top.ndim
     index[0], index[axis] = slice(0, top.shape[0]), slice(length - top.shape[axis], None)
     out[tuple(index)] = top

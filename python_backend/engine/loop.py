@@ -15,7 +15,6 @@ import numpy as np
 
 from python_backend.errors import InvalidRequestError, UnavailableError
 from python_backend.engine.kv_batch import KVBatch
-from python_backend.runtime.onnx_decoder import OnnxDecoder
 from python_backend.engine.outbox import Outbox
 from python_backend.engine.sampling import token_logprob
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
@@ -99,7 +98,9 @@ class EngineObserver:
 
 
 class Engine:
-    def __init__(self, decoder: OnnxDecoder, config: SchedulerConfig, observer: EngineObserver | None = None,
+    """decoder: any runtime of python_backend/runtime/ (the interface is in python_backend/runtime/decoder.py)."""
+
+    def __init__(self, decoder, config: SchedulerConfig, observer: EngineObserver | None = None,
                  outbox_capacity: int = 4096):
         self.decoder = decoder
         self.config = config
@@ -234,7 +235,7 @@ class Engine:
             self._decode()
         self._retire()
         self.last_progress = time.time()
-        kv_bytes = sum(t.nbytes for t in self.batch.past) if self.batch else 0
+        kv_bytes = self.batch.cache_bytes() if self.batch else 0
         state = (len(self.running), len(self.waiting) + len(self.prefilling), kv_bytes)
         if state != self._reported_state or prefilled or decoding:
             self._reported_state = state
@@ -361,7 +362,7 @@ class Engine:
             self._outbox.put(callback, *args)
 
 
-def generate(decoder: OnnxDecoder, sequences: list[Sequence], strategy: str = "dynamic") -> EngineObserver:
+def generate(decoder, sequences: list[Sequence], strategy: str = "dynamic") -> EngineObserver:
     """Runs these sequences to completion on the calling thread, as one group; returns the engine's totals."""
     config = SchedulerConfig(
         strategy=strategy,

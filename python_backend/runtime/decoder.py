@@ -64,7 +64,9 @@ class TorchTensors:
         self.device = torch.device(device)
 
     def zeros(self, shape, dtype):
-        return self.torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+        if not isinstance(dtype, self.torch.dtype):
+            dtype = torch_dtype(dtype)
+        return self.torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     def rows(self, index: np.ndarray):
         return self.torch.as_tensor(index, dtype=self.torch.int64, device=self.device)

@@ -21,7 +21,7 @@ class FaultyDecoder:
 
     def __init__(self, decoder, prefill_token: int | None = None, decode_token: int | None = None):
         self.decoder, self.prefill_token, self.decode_token = decoder, prefill_token, decode_token
-        self.cache_shape, self.vocab_size = decoder.cache_shape, decoder.vocab_size
+        self.cache_shape, self.vocab_size, self.tensors = decoder.cache_shape, decoder.vocab_size, decoder.tensors
         self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
 
     def empty_cache(self, batch_size: int):

@@ -1,21 +1,25 @@
-"""llm: the ONNX decoder on onnxruntime, driven by the engine's loop (continuous, dynamic or static batching).
+"""llm: the exported decoder on its configured runtime (python_backend/runtime/factory.py), driven by the engine's
+loop (continuous, dynamic or static batching).
 
 Decoupled: each request gets one response per step with its new token ids, the last one flagged final. A request
 with ``cancel: true`` and a ``request_key`` cancels the running request with that key (the front model sends one
 when its client goes away: Triton does not pass cancellation into composed models)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backend.engine.loop import Engine
+from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.errors import InvalidRequestError, tagged_message
+from python_backend.model_files import ModelSettings, resolve_model_dir
+from python_backend.runtime.factory import RuntimeSettings, ServingLimits, open_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
 from python_backend.serving.llm_requests import LlmLimits, sequence_from_inputs
-from python_backend.model_files import ONNX_FILE, ModelSettings, resolve_model_dir
-from python_backend.runtime.onnx_decoder import OnnxDecoder
 from python_backend.serving.request_inputs import scalar
-from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
 from python_backend.serving.triton_metrics import TritonMetricsObserver
 
@@ -27,14 +31,24 @@ class TritonPythonModel:
         params = parameters(args)
         model_dir = resolve_model_dir(params["model_dir"], args["model_repository"])
         self.settings = ModelSettings.load(model_dir)
-        decoder = maybe_faulty(OnnxDecoder(model_dir / ONNX_FILE, intra_op_threads=int(params["intra_op_threads"])))
+        max_batch_size = int(model_config(args)["max_batch_size"])
+        max_context_length = min(int(params["max_context_length"]), self.settings.max_position_embeddings)
+        # KIND_GPU instances get their device from Triton; KIND_CPU ones use device 0 if their runtime wants a GPU.
+        device_id = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
+        decoder = open_decoder(
+            RuntimeSettings.from_parameters(params, device_id), model_dir,
+            ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length),
+            project_root=Path(args["model_repository"]).resolve().parent.parent)
+        print(f"[llm] {args['model_instance_name']}: {type(decoder).__name__}, KV cache on {decoder.tensors.device}",
+              file=sys.stderr, flush=True)
+        decoder = maybe_faulty(decoder)
         self.limits = LlmLimits(
             vocab_size=decoder.vocab_size,
-            max_context_length=min(int(params["max_context_length"]), self.settings.max_position_embeddings),
+            max_context_length=max_context_length,
             max_stop_sequences=int(params["max_stop_sequences"]),
             max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
         )
-        config = SchedulerConfig.from_parameters(params, int(model_config(args)["max_batch_size"]),
+        config = SchedulerConfig.from_parameters(params, max_batch_size,
                                                  decoder.cache_shape.bytes_per_token())
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})

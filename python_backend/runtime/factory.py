@@ -1,0 +1,168 @@
+"""The ``runtime`` parameter of the llm model: which decoder runs the exported model, and on what.
+
+- ``onnxruntime``: the CPU execution provider, the cache in numpy (the default); with ``io_binding: true`` the
+  device path instead (torch CPU tensors through IO binding), which the tests use to cover the GPU code on a CPU;
+- ``onnxruntime-cuda``: the CUDA execution provider, the cache in torch CUDA tensors;
+- ``onnxruntime-tensorrt``: the TensorRT execution provider (FP16 unless ``precision: fp32``, engine and timing
+  cache on disk, optimization profiles from the config's limits), the cache in torch CUDA tensors;
+- ``tensorrt``: a serialized TensorRT engine built by ``make engine`` (scripts/build_engine.py), run with
+  ``execute_async_v3`` on torch's CUDA stream.
+
+A runtime that cannot run here fails the model's load with a RuntimeUnavailableError naming what is missing; only
+``allow_cpu_fallback: true`` turns that into a warning and the CPU runtime.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from python_backend.runtime.decoder import RuntimeUnavailableError, TorchTensors
+from python_backend.runtime.trt_profiles import DecoderLimits
+
+RUNTIMES = ("onnxruntime", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt")
+GPU_RUNTIMES = RUNTIMES[1:]
+TRT_EP_PRECISIONS = ("fp16", "fp32")
+ENGINE_FILE = "tensorrt/model.plan"  # inside the exported model folder, where `make engine` writes it
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The config's limits that shape a GPU runtime's optimization profiles."""
+
+    max_batch_size: int
+    max_prefill_tokens: int
+    max_context_length: int
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    runtime: str = "onnxruntime"
+    io_binding: bool = False
+    device_id: int = 0
+    precision: str = "fp16"
+    engine_path: str = ""
+    trt_cache_dir: str = "build/tensorrt-ep-cache"
+    allow_cpu_fallback: bool = False
+    intra_op_threads: int = 0
+
+    def __post_init__(self):
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {self.runtime!r}")
+        if self.precision not in TRT_EP_PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(TRT_EP_PRECISIONS)}, not {self.precision!r} "
+                             "(a TensorRT engine's precision is chosen when it is built: make engine PRECISION=...)")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], device_id: int = 0) -> "RuntimeSettings":
+        """From the llm model's config.pbtxt parameters (absent ones keep their defaults)."""
+        defaults = cls()
+        return cls(
+            runtime=params.get("runtime") or defaults.runtime,
+            io_binding=_flag(params.get("io_binding", ""), "io_binding"),
+            device_id=device_id,
+            precision=params.get("precision") or defaults.precision,
+            engine_path=params.get("engine_path", ""),
+            trt_cache_dir=params.get("trt_cache_dir") or defaults.trt_cache_dir,
+            allow_cpu_fallback=_flag(params.get("allow_cpu_fallback", ""), "allow_cpu_fallback"),
+            intra_op_threads=int(params.get("intra_op_threads") or 0),
+        )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.runtime in GPU_RUNTIMES
+
+
+def _flag(value: str, name: str) -> bool:
+    if value.strip().lower() in ("", "false", "0", "no"):
+        return False
+    if value.strip().lower() in ("true", "1", "yes"):
+        return True
+    raise ValueError(f"{name} must be true or false, not {value!r}")
+
+
+def open_decoder(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, project_root: Path):
+    """The decoder for these settings; raises RuntimeUnavailableError when it cannot run here, unless the
+    settings allow the CPU fallback."""
+    try:
+        return _open(settings, model_dir, limits, project_root)
+    except RuntimeUnavailableError as error:
+        if not (settings.allow_cpu_fallback and settings.uses_gpu):
+            raise
+        print(f"[llm] {error}; allow_cpu_fallback is set: serving on the CPU with onnxruntime", file=sys.stderr,
+              flush=True)
+        return _open(replace(settings, runtime="onnxruntime"), model_dir, limits, project_root)
+
+
+def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, project_root: Path):
+    from python_backend.model_files import ONNX_FILE
+
+    onnx_path = model_dir / ONNX_FILE
+    if settings.runtime == "onnxruntime":
+        from python_backend.runtime.onnx_decoder import OnnxDecoder
+        from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
+
+        if settings.io_binding:
+            return OnnxDeviceDecoder.on_cpu(onnx_path, settings.intra_op_threads)
+        return OnnxDecoder(onnx_path, settings.intra_op_threads)
+    tensors = cuda_tensors(settings.runtime, settings.device_id)
+    if settings.runtime == "tensorrt":
+        from python_backend.runtime.tensorrt_decoder import TensorRTDecoder
+
+        engine = Path(settings.engine_path) if settings.engine_path else model_dir / ENGINE_FILE
+        return TensorRTDecoder(_under(project_root, engine), limits, settings.device_id)
+    return _onnxruntime_on_gpu(settings, onnx_path, tensors, limits, project_root)
+
+
+def cuda_tensors(runtime: str, device_id: int) -> TorchTensors:
+    try:
+        import torch
+    except ImportError as error:
+        raise RuntimeUnavailableError(f"runtime {runtime!r} keeps the KV cache in torch CUDA tensors, and torch is "
+                                      f"not installed ({error})") from error
+    if not torch.cuda.is_available():
+        raise RuntimeUnavailableError(
+            f"runtime {runtime!r} keeps the KV cache in torch CUDA tensors, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})")
+    if device_id >= torch.cuda.device_count():
+        raise RuntimeUnavailableError(f"runtime {runtime!r}: no CUDA device {device_id} "
+                                      f"(torch sees {torch.cuda.device_count()})")
+    return TorchTensors(f"cuda:{device_id}")
+
+
+def _onnxruntime_on_gpu(settings, onnx_path: Path, tensors: TorchTensors, limits: ServingLimits, project_root):
+    import onnxruntime as ort
+
+    from python_backend.runtime import onnx_providers
+    from python_backend.runtime.onnx_decoder import session_options
+    from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
+
+    onnx_providers.require_available(settings.runtime, ort.get_available_providers())
+    stream = tensors.torch.cuda.current_stream(tensors.device).cuda_stream
+    trt = None
+    if settings.runtime == "onnxruntime-tensorrt":
+        cache_dir = _under(project_root, Path(settings.trt_cache_dir))
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        trt = onnx_providers.TensorrtProviderSettings(
+            limits=decoder_limits(onnx_path, limits), fp16=settings.precision == "fp16", cache_dir=cache_dir)
+    providers = onnx_providers.providers(settings.runtime, settings.device_id, stream, trt)
+    session = ort.InferenceSession(str(onnx_path), session_options(settings.intra_op_threads), providers=providers)
+    onnx_providers.require_running(settings.runtime, session.get_providers())
+    return OnnxDeviceDecoder(session, tensors)
+
+
+def decoder_limits(onnx_path: Path, limits: ServingLimits) -> DecoderLimits:
+    """The config's limits with the cache's dimensions, read from the graph's inputs (not its weights)."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    past = [i for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
+    dims = past[0].type.tensor_type.shape.dim
+    return DecoderLimits(max_batch_size=limits.max_batch_size, max_prefill_tokens=limits.max_prefill_tokens,
+                         max_context_length=limits.max_context_length, num_layers=len(past),
+                         num_kv_heads=dims[1].dim_value, head_dim=dims[3].dim_value)
+
+
+def _under(root: Path, path: Path) -> Path:
+    return path if path.is_absolute() else root / path

@@ -1,0 +1,163 @@
+"""The llm model's runtimes without a server: the device code path (torch tensors through onnxruntime's IO binding)
+is token-exact with the host path on the real export, and a runtime that cannot run here says what is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.loop import choose_next, generate
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
+from python_backend.model_files import ONNX_FILE
+from python_backend.runtime import onnx_providers
+from python_backend.runtime.decoder import RuntimeUnavailableError
+from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, ServingLimits, decoder_limits,
+                                            open_decoder)
+from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
+from python_backend.runtime.trt_profiles import optimization_profiles
+from scripts.triton_server import PROJECT_ROOT
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍一下长城。",
+           "List three colors.", "def add(a, b):", "Count from one to ten."]
+LIMITS = ServingLimits(max_batch_size=32, max_prefill_tokens=1024, max_context_length=2048)
+
+
+@pytest.fixture(scope="module")
+def device_decoder(model_dir):
+    return OnnxDeviceDecoder.on_cpu(model_dir / ONNX_FILE)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+
+
+def run(decoder, prompts, strategy):
+    sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=8 + 6 * (i % 4), end_ids=(2,)))
+                 for i, p in enumerate(prompts)]
+    generate(decoder, sequences, strategy=strategy)
+    return [s.output_ids for s in sequences]
+
+
+@pytest.mark.parametrize("strategy", ["continuous", "static"])
+def test_the_device_path_generates_the_same_tokens_as_the_host_path(decoder, device_decoder, prompts, strategy):
+    # Different max_tokens make rows leave the batch (select) while others run; continuous also joins (extend).
+    host = run(decoder, prompts, strategy)
+    assert all(host)
+    assert run(device_decoder, prompts, strategy) == host
+
+
+def test_the_device_path_keeps_its_cache_in_torch_tensors_and_matches_logits(decoder, device_decoder, prompts):
+    host_batch, host_logits, _ = KVBatch.prefill(decoder, prompts[:3])
+    batch, logits, _ = KVBatch.prefill(device_decoder, prompts[:3])
+    assert all(isinstance(t, torch.Tensor) for t in batch.past)
+    assert isinstance(logits, np.ndarray) and logits.shape == (3, decoder.vocab_size)
+    np.testing.assert_array_equal(logits, host_logits)
+    joining, _, _ = KVBatch.prefill(device_decoder, prompts[3:5])
+    host_joining, _, _ = KVBatch.prefill(decoder, prompts[3:5])
+    batch.extend(joining)
+    host_batch.extend(host_joining)
+    batch.select([4, 0, 2])
+    host_batch.select([4, 0, 2])
+    tokens = np.array([11, 12, 13])
+    np.testing.assert_array_equal(batch.step(device_decoder, tokens), host_batch.step(decoder, tokens))
+    assert batch.cache_bytes() == host_batch.cache_bytes() > 0
+    for device_t, host_t in zip(batch.past, host_batch.past):
+        assert device_t.is_contiguous()
+        np.testing.assert_array_equal(device_t.numpy(), host_t)
+
+
+def test_choose_next_reads_host_logits_from_either_path(device_decoder, prompts):
+    sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=4, end_ids=(2,))) for p in prompts[:2]]
+    _, logits, _ = KVBatch.prefill(device_decoder, [s.prompt_ids for s in sequences])
+    tokens, failed = choose_next(sequences, logits)
+    assert not failed and list(tokens) == [int(np.argmax(row)) for row in logits]
+
+
+def test_the_factory_opens_the_cpu_runtimes(model_dir):
+    plain = open_decoder(RuntimeSettings(), model_dir, LIMITS, PROJECT_ROOT)
+    bound = open_decoder(RuntimeSettings(io_binding=True), model_dir, LIMITS, PROJECT_ROOT)
+    assert type(plain).__name__ == "OnnxDecoder" and type(bound).__name__ == "OnnxDeviceDecoder"
+
+
+@pytest.mark.parametrize("runtime", GPU_RUNTIMES)
+def test_a_gpu_runtime_without_a_gpu_fails_saying_what_is_missing(model_dir, runtime):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(RuntimeUnavailableError, match=rf"runtime '{runtime}' .*torch sees no CUDA device"):
+        open_decoder(RuntimeSettings(runtime=runtime), model_dir, LIMITS, PROJECT_ROOT)
+
+
+def test_allow_cpu_fallback_serves_on_the_cpu_and_says_why(model_dir, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    decoder = open_decoder(RuntimeSettings(runtime="onnxruntime-cuda", allow_cpu_fallback=True), model_dir, LIMITS,
+                           PROJECT_ROOT)
+    assert type(decoder).__name__ == "OnnxDecoder"
+    assert "allow_cpu_fallback is set: serving on the CPU" in capsys.readouterr().err
+
+
+def test_a_missing_or_unloaded_provider_is_named():
+    with pytest.raises(RuntimeUnavailableError, match="needs onnxruntime's CUDAExecutionProvider.*onnxruntime-gpu"):
+        onnx_providers.require_available("onnxruntime-cuda", ["CPUExecutionProvider"])
+    with pytest.raises(RuntimeUnavailableError, match="TensorrtExecutionProvider but could not load it"):
+        onnx_providers.require_running("onnxruntime-tensorrt", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    onnx_providers.require_available("onnxruntime", ort.get_available_providers())
+    onnx_providers.require_running("onnxruntime-cuda", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"runtime": "cuda"}, "runtime must be one of onnxruntime, onnxruntime-cuda"),
+    ({"precision": "int8"}, "precision must be one of fp16, fp32"),
+    ({"io_binding": "maybe"}, "io_binding must be true or false"),
+    ({"allow_cpu_fallback": "sure"}, "allow_cpu_fallback must be true or false"),
+])
+def test_bad_runtime_parameters_are_refused_clearly(parameters, message):
+    with pytest.raises(ValueError, match=message):
+        RuntimeSettings.from_parameters(parameters)
+
+
+def test_runtime_parameters_are_read_from_the_config_values():
+    settings = RuntimeSettings.from_parameters({"runtime": "onnxruntime-tensorrt", "precision": "fp32",
+                                                "io_binding": "false", "allow_cpu_fallback": "true",
+                                                "engine_path": "", "trt_cache_dir": "", "intra_op_threads": "2"},
+                                               device_id=3)
+    assert settings == RuntimeSettings(runtime="onnxruntime-tensorrt", precision="fp32", allow_cpu_fallback=True,
+                                       device_id=3, intra_op_threads=2)
+    assert settings.uses_gpu and not RuntimeSettings().uses_gpu
+
+
+def _parse_profiles(option: str) -> list[dict[str, tuple[int, ...]]]:
+    profiles: list[dict] = [{}]
+    for entry in option.split(","):
+        name, dims = entry.split(":")
+        if name in profiles[-1]:
+            profiles.append({})
+        profiles[-1][name] = tuple(int(d) for d in dims.split("x"))
+    return profiles
+
+
+def test_the_tensorrt_provider_gets_both_profiles_for_every_input(model_dir):
+    limits = decoder_limits(model_dir / ONNX_FILE, LIMITS)
+    options = onnx_providers.tensorrt_options(0, 1234, onnx_providers.TensorrtProviderSettings(limits=limits))
+    assert options["user_compute_stream"] == "1234" and options["trt_fp16_enable"] == "True"
+    expected = optimization_profiles(limits)
+    session_inputs = {i.name for i in ort.InferenceSession(str(model_dir / ONNX_FILE)).get_inputs()}
+    for bound in ("min", "opt", "max"):
+        parsed = _parse_profiles(options[f"trt_profile_{bound}_shapes"])
+        assert len(parsed) == len(expected) == 2
+        for profile, ranges in zip(parsed, expected):
+            assert set(profile) == set(ranges) == session_inputs
+            assert all(profile[name] == getattr(ranges[name], bound) for name in profile)
+
+
+def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(model_dir, decoder):
+    limits = decoder_limits(model_dir / ONNX_FILE, LIMITS)
+    shape = decoder.cache_shape
+    assert (limits.num_layers, limits.num_kv_heads, limits.head_dim) == (shape.num_layers, shape.num_kv_heads,
+                                                                         shape.head_dim)
+    assert limits.max_batch_size == 32 and limits.max_context_length == 2048
