@@ -11,6 +11,12 @@ QUANTS := int4 int4-fast int8 fp16
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
 MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
 SOURCE ?=
+# RUNTIME picks the llm model's runtime for serve, benchmark and sweep: onnxruntime (CPU, the default),
+# onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
+# model_repository/ rendered into build/model_repository-RUNTIME (scripts/render_model_repository.py).
+RUNTIME ?= onnxruntime
+# make engine: the TensorRT engine's precision (fp16, bf16, fp32), written to MODEL_DIR/tensorrt/model.plan.
+PRECISION ?= fp16
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -21,7 +27,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants demo serve test benchmark sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -44,7 +50,7 @@ $(LINT_VENV)/.installed: requirements-lint.txt
 
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/checkov --quiet --compact --skip-download --framework dockerfile \
-		-f docker/Dockerfile -f docker/Dockerfile.locust
+		-f docker/Dockerfile -f docker/Dockerfile.gpu -f docker/Dockerfile.locust
 	@if command -v kubectl >/dev/null; then \
 		mkdir -p build/k8s && for overlay in cpu gpu; do \
 			kubectl kustomize deploy/k8s/overlays/$$overlay > build/k8s/$$overlay.yaml || exit 1; done; \
@@ -64,6 +70,15 @@ model-dir:
 variants: model
 	for quant in $(QUANTS); do $(PY) -m scripts.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
 
+# A TensorRT engine of MODEL_DIR's ONNX graph for this machine's GPU (needs TensorRT: NVIDIA's containers have it),
+# with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
+engine: model
+	$(PY) -m scripts.build_engine --model-dir $(MODEL_DIR) --precision $(PRECISION)
+
+# The GPU tests (pytest -m gpu) with what this machine has; each missing piece is a skip that says what it is.
+gpu-check:
+	bash scripts/gpu_check.sh
+
 demo: model
 	$(PY) -m scripts.demo
 
@@ -72,6 +87,7 @@ demo: model
 # the supervisor, SERVE_ARGS=--no-openai without the OpenAI API.
 serve: model
 	$(PY) -m scripts.triton_server --address $(ADDRESS) \
+		$(if $(filter-out onnxruntime,$(RUNTIME)),--runtime $(RUNTIME)) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
@@ -80,13 +96,13 @@ test: variants
 	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest $(PYTEST_ARGS)
 
 benchmark: variants
-	$(PY) -m scripts.benchmark --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
+	$(PY) -m scripts.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
 
 sweep: model
-	$(PY) -m loadtests.sweep $(SWEEP_ARGS)
+	$(PY) -m loadtests.sweep --runtime $(RUNTIME) $(SWEEP_ARGS)
 
 sweep-quick: model
-	$(PY) -m loadtests.sweep --quick $(SWEEP_ARGS)
+	$(PY) -m loadtests.sweep --quick --runtime $(RUNTIME) $(SWEEP_ARGS)
 
 perf-inputs: venv
 	$(PY) -m loadtests.perf_inputs --output build/perf

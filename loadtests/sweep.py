@@ -29,6 +29,8 @@ from pathlib import Path
 
 from loadtests.workload import DEFAULT_PROMPTS, MaxTokens
 from scripts.model_control import SERVED_MODELS, reload_llm
+from python_backend.runtime.factory import RUNTIMES
+from scripts.render_model_repository import repository_for
 from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
 from scripts.triton_server import PROJECT_ROOT, running_server
@@ -298,6 +300,7 @@ def parse_args(argv):
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--latency-budget", type=float, default=10.0, help="p95 request latency budget, seconds")
     parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "sweep")
+    parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES, help="the server's llm runtime")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.strategies, args.concurrency = "1,8", "continuous,static", "8"
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cells: list[Cell] = []
     log(f"{total} cells, about {total * (args.duration + 8) / 60:.1f} min; starting tritonserver")
-    with running_server(log_path=args.output / "server.log", explicit_models=SERVED_MODELS) as ports, \
+    with running_server(repository_for(args.runtime), log_path=args.output / "server.log",
+                        explicit_models=SERVED_MODELS) as ports, \
             (openai_service(ports.grpc, args.output / "openai.log") if args.user == "ChatStreamUser"
              else nullcontext()) as openai_url:
         for strategy in strategies:

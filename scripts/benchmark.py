@@ -39,6 +39,8 @@ import numpy as np
 
 from scripts.llm_client import Completion, GrpcStreamClient
 from scripts.model_control import SERVED_MODELS, reload_llm
+from python_backend.runtime.factory import RUNTIMES
+from scripts.render_model_repository import repository_for
 from scripts.openai_server import running_openai_api
 from scripts.server_metrics import read_metrics
 from scripts.triton_server import PROJECT_ROOT, running_server
@@ -324,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-openai", action="store_true",
                         help="only the OpenAI front's paired runs (no in-process rows, no other strategies)")
     parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES,
+                        help="the server's llm runtime (the in-process baselines stay on onnxruntime's CPU provider)")
     parser.add_argument("--variants", help="also the weight variants side by side, e.g. fp32,int4,int8 "
                                            "(scripts/variant_benchmark.py), each served from its own folder")
     parser.add_argument("--export-dir", type=Path, default=PROJECT_ROOT / "build" / "model",
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, raw_decode, lengths_alone = in_process(requests, args.model_dir, args.repeats)
     front_line = None
     log_path = PROJECT_ROOT / "build" / "benchmark-server.log"
-    with running_server(log_path=log_path, explicit_models=SERVED_MODELS) as ports:
+    with running_server(repository_for(args.runtime), log_path=log_path, explicit_models=SERVED_MODELS) as ports:
         http, grpc = f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}"
         for strategy in filter(None, args.strategies.split(",")):
             log(f"server: strategy {strategy}, {len(requests)} concurrent requests")

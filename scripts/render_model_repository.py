@@ -40,6 +40,13 @@ def render(target: Path, runtime: str, source: Path = MODEL_REPOSITORY, project_
     return target
 
 
+def repository_for(runtime: str) -> Path:
+    """The repository to serve with this runtime: the source itself for the default one, else a rendered copy."""
+    if runtime == RuntimeSettings().runtime:
+        return MODEL_REPOSITORY
+    return render(PROJECT_ROOT / "build" / f"model_repository-{runtime}", runtime)
+
+
 def _absolute_paths(config: model_config_pb2.ModelConfig, project_root: Path) -> None:
     for key in PATH_PARAMETERS:
         if key in config.parameters:

@@ -204,6 +204,8 @@ def all_models(model_repository: Path) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run tritonserver in the foreground with this project's models.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--runtime", help="the llm model's runtime (onnxruntime-cuda, onnxruntime-tensorrt, tensorrt): "
+                        "serves a copy of the repository rendered for it (scripts/render_model_repository.py)")
     parser.add_argument("--address", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -219,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.runtime:
+        from scripts.render_model_repository import render
+
+        args.model_repository = render(PROJECT_ROOT / "build" / f"model_repository-{args.runtime}", args.runtime,
+                                       source=args.model_repository)
+        print(f"runtime {args.runtime}: serving {args.model_repository}", flush=True)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     env = dict(os.environ) if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)

@@ -76,9 +76,24 @@ def test_locust_workers_scale_and_reach_the_master_and_the_server():
         assert service["command"][service["command"].index("--host") + 1] == "http://triton:8000"
 
 
-def test_the_gpu_override_reserves_nvidia_devices_for_triton():
-    devices = compose("compose.gpu.yaml")["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+def test_the_gpu_override_serves_the_engine_it_builds_on_reserved_gpus():
+    gpu = compose("compose.gpu.yaml")["services"]
+    for name in ("engine", "triton"):
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+        assert gpu[name]["build"]["dockerfile"] == "docker/Dockerfile.gpu"
+        assert (DOCKER / gpu[name]["build"]["context"] / gpu[name]["build"]["dockerfile"]).is_file()
+    assert gpu["triton"]["depends_on"]["engine"]["condition"] == "service_completed_successfully"
+    # The engine is built from the fp32 export (TensorRT cannot parse onnxruntime's MatMulNBits) in the model volume,
+    # where the export service writes it and where the engine file goes by default (python_backend/runtime/factory.py).
+    from python_backend.runtime.factory import ENGINE_FILE
+
+    export_dir = re.search(r"EXPORT_DIR=(\S+)", services()["export"]["command"]).group(1)
+    model_dir = gpu["triton"]["environment"]["TRITON_LLM_MODEL_DIR"]
+    assert model_dir == export_dir
+    assert f"test -f {model_dir}/{ENGINE_FILE}" in gpu["engine"]["command"]
+    assert f"scripts.build_engine --model-dir {model_dir}" in gpu["engine"]["command"]
+    assert set(gpu) <= set(services()) | {"engine"}
 
 
 def test_the_locust_image_uses_the_projects_pins():

@@ -60,6 +60,21 @@ def test_the_gpu_overlay_asks_for_a_gpu_and_the_cpu_one_does_not():
     assert limits("gpu")["nvidia.com/gpu"] == 1 and "nvidia.com/gpu" not in limits("cpu")
 
 
+@kubectl
+def test_the_gpu_overlay_builds_the_engine_where_the_server_looks_for_it():
+    from python_backend.runtime.factory import ENGINE_FILE
+
+    pod = by_kind(build("gpu"))["Deployment"]["spec"]["template"]["spec"]
+    [init], [server] = pod["initContainers"], pod["containers"]
+    assert init["image"] == server["image"] == "triton-llm-gpu:0.1.0"
+    model_dir = next(e["value"] for e in server["env"] if e["name"] == "TRITON_LLM_MODEL_DIR")
+    assert f"test -f {model_dir}/{ENGINE_FILE} || python3 -m scripts.build_engine --model-dir {model_dir}" \
+        in init["command"][-1]
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {model_dir}
+    assert init["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "initContainers" not in by_kind(build("cpu"))["Deployment"]["spec"]["template"]["spec"]
+
+
 def test_the_pieces_fit_the_project_and_each_other():
     manifests = by_kind([yaml.safe_load(p.read_text()) for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml"])
     deployment, service = manifests["Deployment"], manifests["Service"]
