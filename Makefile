@@ -3,19 +3,20 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# RUNTIME picks the llm model's runtime for serve, benchmark and sweep: onnxruntime (CPU, the default),
+# onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
+# model_repository/ rendered into build/model_repository-RUNTIME (scripts/render_model_repository.py).
+RUNTIME ?= onnxruntime
 # QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
-# fp16 (scripts/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT.
-QUANT ?= int4
+# fp16 (scripts/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU
+# runtimes default to fp32: TensorRT cannot parse the variants' MatMulNBits, and a GPU has fp16 kernels of its own.
+QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
 QUANTS := int4 int4-fast int8 fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
 MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
 SOURCE ?=
-# RUNTIME picks the llm model's runtime for serve, benchmark and sweep: onnxruntime (CPU, the default),
-# onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
-# model_repository/ rendered into build/model_repository-RUNTIME (scripts/render_model_repository.py).
-RUNTIME ?= onnxruntime
-# make engine: the TensorRT engine's precision (fp16, bf16, fp32), written to MODEL_DIR/tensorrt/model.plan.
+# make engine: the TensorRT engine's precision (fp16, bf16, fp32), written to EXPORT_DIR/tensorrt/model.plan.
 PRECISION ?= fp16
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
@@ -70,10 +71,10 @@ model-dir:
 variants: model
 	for quant in $(QUANTS); do $(PY) -m scripts.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
 
-# A TensorRT engine of MODEL_DIR's ONNX graph for this machine's GPU (needs TensorRT: NVIDIA's containers have it),
-# with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
+# A TensorRT engine of the fp32 export for this machine's GPU (needs TensorRT's Python API: docker/Dockerfile.gpu has
+# it), with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
 engine: model
-	$(PY) -m scripts.build_engine --model-dir $(MODEL_DIR) --precision $(PRECISION)
+	$(PY) -m scripts.build_engine --model-dir $(EXPORT_DIR) --precision $(PRECISION)
 
 # The GPU tests (pytest -m gpu) with what this machine has; each missing piece is a skip that says what it is.
 gpu-check:
