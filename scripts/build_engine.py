@@ -1,6 +1,9 @@
 """Builds a TensorRT engine of the exported decoder, for the `llm` model's limits, and writes its manifest beside it.
 
     python -m scripts.build_engine --model-dir build/model     # -> build/model/tensorrt/model.plan (+ .json)
+    make engine PRECISION=fp32
+
+It builds on the first visible GPU (CUDA_VISIBLE_DEVICES=N picks another).
 
 Run it on the machine (GPU model, TensorRT version) that will serve: an engine runs only there. The optimization
 profiles (decode- and prefill-tuned) come from model_repository/llm/config.pbtxt's max_batch_size,
@@ -79,6 +82,7 @@ def read_graph_dims(onnx_path: str | os.PathLike) -> GraphDims:
     outputs = {value.name: value for value in model.graph.output}
     num_layers = sum(1 for name in inputs if _PAST_KEY.fullmatch(name))
     _check_interface(onnx_path, set(inputs), set(outputs), num_layers)
+    _check_standard_operators(onnx_path, model.graph)
     _, heads, _, head_dim = _fixed_dims(inputs["past_key_values.0.key"])
     vocab = _fixed_dims(outputs[LOGITS])[-1]
     if heads is None or head_dim is None or vocab is None:
@@ -101,6 +105,14 @@ def _check_interface(onnx_path, inputs: set[str], outputs: set[str], num_layers:
         differences = sorted(inputs ^ expected_inputs) + sorted(outputs ^ expected_outputs)
         raise BuildError(f"{onnx_path} is not the decoder interface of python_backend/runtime/onnx_decoder.py "
                          f"(missing or unexpected: {', '.join(differences)})")
+
+
+def _check_standard_operators(onnx_path, graph) -> None:
+    """TensorRT parses the standard ONNX operators, not onnxruntime's own (the int4/int8 variants' MatMulNBits)."""
+    foreign = sorted({f"{node.domain}.{node.op_type}" for node in graph.node if node.domain not in ("", "ai.onnx")})
+    if foreign:
+        raise BuildError(f"{onnx_path} uses operators TensorRT cannot parse ({', '.join(foreign)}): build the "
+                         f"engine from the fp32 export (--model-dir build/model, as `make engine` does)")
 
 
 def config_limits(model_repository: str | os.PathLike) -> ServingLimits:
@@ -195,16 +207,18 @@ def make_manifest(plan: BuildPlan, tensorrt_version: str, gpu_name: str, compute
         built_at=(built_at or datetime.now(timezone.utc)).isoformat(timespec="seconds"))
 
 
-def gpu_identity(device_id: int = 0) -> tuple[str, tuple[int, int]]:
-    """The GPU's name and compute capability, from torch if it has CUDA, else from nvidia-smi."""
+def gpu_identity() -> tuple[str, tuple[int, int]]:
+    """The name and compute capability of the GPU TensorRT builds on (CUDA's device 0: the first of
+    CUDA_VISIBLE_DEVICES), from torch if it has CUDA, else from nvidia-smi."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_name(device_id), tuple(torch.cuda.get_device_capability(device_id))
+            return torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0))
     except ImportError:
         pass
-    query = ["nvidia-smi", f"--id={device_id}", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
+    first_visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"  # an index or a UUID
+    query = ["nvidia-smi", f"--id={first_visible}", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
     try:
         name, capability = subprocess.run(query, capture_output=True, text=True, check=True).stdout.rsplit(",", 1)
         major, minor = capability.strip().split(".")
@@ -215,12 +229,17 @@ def gpu_identity(device_id: int = 0) -> tuple[str, tuple[int, int]]:
 
 
 def write_engine(engine_path: Path, serialized, manifest: EngineManifest) -> None:
-    """The engine, then its manifest: a manifest beside an engine means the engine is complete."""
+    """The engine, then its manifest: a manifest beside an engine means the engine is complete and is the one it
+    describes. A write that fails leaves the previous engine and manifest as they were."""
     engine_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path(engine_path).unlink(missing_ok=True)
     partial = engine_path.with_name(engine_path.name + ".partial")
-    with partial.open("wb") as target:
-        target.write(serialized)
+    try:
+        with partial.open("wb") as target:
+            target.write(serialized)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    manifest_path(engine_path).unlink(missing_ok=True)
     os.replace(partial, engine_path)
     manifest.save(engine_path)
 
@@ -290,10 +309,10 @@ def build_engine(model_dir: str | os.PathLike, output: str | os.PathLike | None 
                  workspace_gb: float = DEFAULT_WORKSPACE_GB,
                  timing_cache: str | os.PathLike | None = DEFAULT_TIMING_CACHE,
                  model_repository: str | os.PathLike = PROJECT_ROOT / "model_repository",
-                 limits: ServingLimits | None = None, device_id: int = 0) -> EngineManifest:
+                 limits: ServingLimits | None = None) -> EngineManifest:
     """Builds and writes the engine and its manifest; returns the manifest."""
     trt = import_tensorrt("building a TensorRT engine")
-    gpu_name, capability = gpu_identity(device_id)
+    gpu_name, capability = gpu_identity()
     plan = make_plan(model_dir, output, precision, workspace_gb, timing_cache, model_repository, limits)
     if problem := precision_problem(plan.precision, capability):
         raise BuildError(problem)
@@ -330,7 +349,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where llm/config.pbtxt, whose limits the engine covers, is (default: model_repository)")
     for name in LIMIT_NAMES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help="default: the llm config's")
-    parser.add_argument("--device", type=int, default=0, help="the GPU to build on (default 0)")
     args = parser.parse_args(argv)
     if args.strongly_typed and args.precision:
         parser.error("--strongly-typed takes every type from the ONNX graph: drop --precision")
@@ -349,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = chosen_limits(args)
         build_engine(args.model_dir, args.output, args.precision, args.workspace_gb,
-                     None if args.no_timing_cache else args.timing_cache, args.model_repository, limits, args.device)
+                     None if args.no_timing_cache else args.timing_cache, args.model_repository, limits)
     except (BuildError, RuntimeUnavailableError) as error:
         log(str(error))
         return 1

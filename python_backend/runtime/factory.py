@@ -19,22 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from python_backend.runtime.decoder import RuntimeUnavailableError, TorchTensors
+from python_backend.runtime.engine_manifest import ENGINE_FILE, ServingLimits
 from python_backend.runtime.trt_profiles import DecoderLimits
 
 RUNTIMES = ("onnxruntime", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt")
 GPU_RUNTIMES = RUNTIMES[1:]
 TRT_EP_PRECISIONS = ("fp16", "fp32")
-ENGINE_FILE = "tensorrt/model.plan"  # inside the exported model folder, where `make engine` writes it
-
-
-@dataclass(frozen=True)
-class ServingLimits:
-    """The config's limits that shape a GPU runtime's optimization profiles."""
-
-    max_batch_size: int
-    max_prefill_tokens: int
-    max_context_length: int
-
 
 @dataclass(frozen=True)
 class RuntimeSettings:
@@ -106,12 +96,12 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
         if settings.io_binding:
             return OnnxDeviceDecoder.on_cpu(onnx_path, settings.intra_op_threads)
         return OnnxDecoder(onnx_path, settings.intra_op_threads)
-    tensors = cuda_tensors(settings.runtime, settings.device_id)
+    tensors = cuda_tensors(settings.runtime, settings.device_id)  # every GPU runtime keeps its cache there
     if settings.runtime == "tensorrt":
         from python_backend.runtime.tensorrt_decoder import TensorRTDecoder
 
         engine = Path(settings.engine_path) if settings.engine_path else model_dir / ENGINE_FILE
-        return TensorRTDecoder(_under(project_root, engine), limits, settings.device_id)
+        return TensorRTDecoder(_under(project_root, engine), limits, settings.device_id, onnx_path=onnx_path)
     return _onnxruntime_on_gpu(settings, onnx_path, tensors, limits, project_root)
 
 

@@ -3,8 +3,10 @@
 The engine (scripts/build_engine.py) has two optimization profiles (python_backend/runtime/trt_profiles.py): 0 tuned
 for decode steps, 1 for prefills. An execution context works in one profile at a time, so the decoder keeps one
 context per profile, created and bound once. Each call sets the inputs' shapes and addresses, allocates the outputs
-as torch tensors of the shapes TensorRT infers, and runs on torch's current CUDA stream, so that uploads, TensorRT's
-kernels and torch's own copies of the cache stay in order without waiting; only reading the logits back waits.
+as torch tensors of the shapes TensorRT infers, and runs uploads and TensorRT's kernels on the decoder's own torch
+CUDA stream, ordered after the caller's current stream (where the KV batch copied the past); reading the logits back
+waits for that stream, so the present is complete when the caller uses it. Not the default stream itself: TensorRT
+warns that enqueueV3 on it costs extra device-wide synchronizations.
 
 Loading checks the engine's manifest (engine_manifest.py) against the config's limits, this TensorRT and this GPU
 before deserializing: a mismatch is one clear error at load, not a failure at some later request.
@@ -93,6 +95,7 @@ class TensorRTDecoder:
         self.tensors = TorchTensors(f"cuda:{device_id}")
         self.vocab_size = self.manifest.vocab_size
         with torch.cuda.device(self.tensors.device):
+            self._stream = torch.cuda.Stream(self.tensors.device)
             self._engine = self._deserialize(engine_path)
             self._io = self._engine_io()
             self.cache_shape = self._cache_shape()
@@ -148,15 +151,14 @@ class TensorRTDecoder:
                 f"({self.cache_shape.num_layers} layers): " + "; ".join(problems) + f"; {engine_manifest.REBUILD_HINT}")
 
     def _create_contexts(self) -> list:
-        stream = self._torch.cuda.current_stream(self.tensors.device)
         contexts = []
         for profile in (DECODE_PROFILE, PREFILL_PROFILE):
             context = self._engine.create_execution_context()
             if context is None:
                 raise RuntimeUnavailableError("TensorRT could not create an execution context (out of GPU memory?)")
-            context.set_optimization_profile_async(profile, stream.cuda_stream)
+            context.set_optimization_profile_async(profile, self._stream.cuda_stream)
             contexts.append(context)
-        stream.synchronize()  # forward() may run on another thread's current stream
+        self._stream.synchronize()
         return contexts
 
     # --- the decoder interface ---
@@ -169,19 +171,22 @@ class TensorRTDecoder:
                 past: list) -> tuple[np.ndarray, list]:
         """Logits of the last position [batch, 1, vocab] (float32, host) and the present cache (torch, device)."""
         torch = self._torch
+        if len(past) != len(self._past_names):
+            raise ValueError(f"{len(past)} past tensors given, the engine takes {len(self._past_names)}")
         profile = DECODE_PROFILE if input_ids.shape[1] == 1 else PREFILL_PROFILE
         context = self._contexts[profile]
         with torch.cuda.device(self.tensors.device):
-            arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-            feeds = {name: self.tensors.upload(np.asarray(array, np.int64)) for name, array in arrays.items()}
-            feeds.update(zip(self._past_names, past))
-            feeds = {name: self._bindable(tensor, self._io[name].dtype) for name, tensor in feeds.items()}
-            self._bind_inputs(context, profile, feeds)
-            outputs = self._allocate_outputs(context)
-            stream = torch.cuda.current_stream(self.tensors.device)
-            if not context.execute_async_v3(stream.cuda_stream):
-                raise RuntimeError("TensorRT's execute_async_v3 failed (its log above says why)")
-            logits = outputs[LOGITS].float().cpu().numpy()  # waits for the stream; the feeds live until then
+            self._stream.wait_stream(torch.cuda.current_stream(self.tensors.device))
+            with torch.cuda.stream(self._stream):
+                arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+                feeds = {name: self.tensors.upload(np.asarray(array, np.int64)) for name, array in arrays.items()}
+                feeds.update(zip(self._past_names, past))
+                feeds = {name: self._bindable(tensor, self._io[name].dtype) for name, tensor in feeds.items()}
+                self._bind_inputs(context, profile, feeds)
+                outputs = self._allocate_outputs(context)
+                if not context.execute_async_v3(self._stream.cuda_stream):
+                    raise RuntimeError("TensorRT's execute_async_v3 failed (its log above says why)")
+                logits = outputs[LOGITS].float().cpu().numpy()  # waits for the stream; the feeds live until then
         return logits, [outputs[name] for name in self._present_names]
 
     def _bindable(self, tensor, dtype):
