@@ -161,3 +161,12 @@ def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(m
     assert (limits.num_layers, limits.num_kv_heads, limits.head_dim) == (shape.num_layers, shape.num_kv_heads,
                                                                          shape.head_dim)
     assert limits.max_batch_size == 32 and limits.max_context_length == 2048
+
+
+def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(model_dir, capsys):
+    from scripts.runtime_benchmark import main
+
+    assert main(["--model-dir", str(model_dir), "--requests", "4", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| onnxruntime")]
+    assert [row.split(" | ")[0] for row in rows] == ["| onnxruntime", "| onnxruntime+io_binding"]
+    assert all(row.endswith("| True |") for row in rows) and "x1.00" in rows[0]
