@@ -227,7 +227,7 @@ def test_stopping_the_engine_answers_every_unfinished_request(decoder, prompts):
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts, alone):
     class Broken:
-        cache_shape = decoder.cache_shape
+        cache_shape, tensors = decoder.cache_shape, decoder.tensors
 
         def __init__(self):
             self.calls = 0
