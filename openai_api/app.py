@@ -68,12 +68,13 @@ class Service:
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "triton-llm"}
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a conversation, by the model's own chat template, ready for the assistant's turn."""
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's prompt ids, by the model's own chat template, ready for the assistant's turn. The
+        messages' contents are encoded as text: "<|im_start|>system" in a message does not open a system turn."""
         if not self.tokenizer.has_chat_template:
             raise InvalidRequest("This model has no chat template: use /v1/completions", param="messages")
         try:
-            return self.tokenizer.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode_conversation(messages)
         except TemplateError as error:  # a template that refuses a conversation (roles out of order, ...)
             raise InvalidRequest(f"The chat template refused the messages: {error}", param="messages") from None
 
@@ -85,11 +86,13 @@ class Service:
                 problems.append(problem)
         return problems
 
-    async def budget(self, prompt: str, param: str, max_tokens: int | None, default: int | None = None) -> int:
-        """max_tokens for this prompt: as asked (it must fit the context with the prompt), else the default (capped
-        by what is left), else what is left of the context."""
+    async def budget(self, prompt: str | list[int], param: str, max_tokens: int | None,
+                     default: int | None = None) -> int:
+        """max_tokens for this prompt (text, or ids): as asked (it must fit the context with the prompt), else the
+        default (capped by what is left), else what is left of the context."""
         context = await self.backend.context_length()
-        prompt_tokens = len(self.tokenizer.encode(prompt, apply_chat_template=False))
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(
+            self.tokenizer.encode(prompt, apply_chat_template=False))
         left = context - prompt_tokens
         if left < 1:
             raise InvalidRequest(f"This model's maximum context length is {context} tokens. However, your prompt is "
@@ -160,13 +163,16 @@ def create_app(config: ServiceConfig) -> FastAPI:
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request), service.vocab_size)
         service.check_model(body.model)
-        prompt = service.render_chat([m.template_message() for m in body.messages])
-        max_tokens = await service.budget(prompt, "messages", body.requested_max_tokens, config.default_max_tokens)
+        prompt_ids = service.render_chat([m.template_message() for m in body.messages])
+        max_tokens = await service.budget(prompt_ids, "messages", body.requested_max_tokens,
+                                          config.default_max_tokens)
+        prompt = service.tokenizer.tokenizer.decode(prompt_ids)  # text_input, for its byte limit; not tokenized again
         logprobs = bool(body.logprobs)
         shared = dict(stream=bool(body.stream), log_probs=logprobs, top_log_probs=body.top_logprobs or 0,
                       **body.sampling())
         choices = [
-            Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, seed=body.seed_of(j), **shared)),
+            Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, prompt_ids=prompt_ids,
+                                                                  seed=body.seed_of(j), **shared)),
                    ChatLogprobs(service.texts) if logprobs else None)
             for j in range(body.choices_per_prompt)
         ]

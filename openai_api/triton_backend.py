@@ -33,6 +33,7 @@ class EnsembleRequest:
     temperature: float
     top_p: float | None = None
     seed: int | None = None
+    prompt_ids: list[int] | None = None  # a conversation, templated and tokenized here; text is then its rendering
     stop: list[str] = field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,6 +52,8 @@ class EnsembleRequest:
             _tensor("return_num_input_tokens", np.array([[True]], np.bool_)),
             _tensor("return_num_output_tokens", np.array([[True]], np.bool_)),
         ]
+        if self.prompt_ids is not None:
+            tensors.append(_tensor("input_ids", np.array([self.prompt_ids], np.int32)))
         if self.top_p is not None:
             tensors.append(_tensor("top_p", np.array([[self.top_p]], np.float32)))
         if self.seed is not None:

@@ -46,3 +46,11 @@ def test_the_ensemble_has_every_name_triton_s_openai_frontend_uses():
     missing = [name for name, kind in TRITON_OPENAI_FRONTEND_NAMES if f'name: "{name}" data_type: {kind}' not in text]
     assert not missing
     assert "output_token_count" not in text  # replaced by num_output_tokens; nothing needs it any more
+
+
+def test_the_front_model_reads_every_input_its_config_declares():
+    from python_backend.serving.frontend import USER_INPUTS
+    from scripts.model_config import read_config
+
+    declared = {i.name for i in read_config(REPO / "ensemble" / "config.pbtxt").input}
+    assert declared == set(USER_INPUTS) | {"stream"}

@@ -33,6 +33,21 @@ def test_text_input_is_the_raw_prompt_unless_the_chat_template_is_asked_for(prep
         apply_chat_template=True).tolist()
 
 
+def test_given_input_ids_are_the_prompt_and_text_input_is_only_echoed(preprocessor):
+    def get(**values):
+        arrays = {"text_input": np.array([["Hello"]], object), "max_tokens": np.array([[4]]), **values}
+        return lambda name: arrays.get(name)
+
+    prepared = preprocessor.prepare(get(input_ids=np.array([[1, 9690, 198, 2]], np.int32),
+                                        exclude_input_in_output=np.array([[False]])))
+    assert prepared.llm_inputs["input_ids"].tolist() == [1, 9690, 198, 2] and prepared.prompt_tokens == 4
+    assert prepared.echo == "Hello"
+    with pytest.raises(InvalidRequestError, match="input_ids is empty"):
+        preprocessor.prepare(get(input_ids=np.zeros((1, 0), np.int32)))
+    with pytest.raises(InvalidRequestError, match="apply_chat_template applies to text_input"):
+        preprocessor.prepare(get(input_ids=np.array([[1]], np.int32), apply_chat_template=np.array([[True]])))
+
+
 def test_response_options_follow_tensorrt_llm_names(preprocessor):
     plain = preprocessor.prepare(inputs(text_input="Hi", max_tokens=8))
     assert plain.prompt_tokens == 1 and plain.echo == ""

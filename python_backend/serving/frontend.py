@@ -17,7 +17,7 @@ from python_backend.serving.preprocessing import PreparedRequest
 # The ensemble's inputs, passed on to preprocessing as they came.
 USER_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logit_bias_ids", "logit_bias_values", "end_id",
-               "apply_chat_template", "stop_words", "exclude_input_in_output", "return_num_input_tokens",
+               "apply_chat_template", "input_ids", "stop_words", "exclude_input_in_output", "return_num_input_tokens",
                "return_num_output_tokens", "return_log_probs", "num_top_log_probs")
 
 

@@ -53,7 +53,7 @@ class Preprocessor:
         end_id = _end_id(get)
         chat = bool(scalar(get, "apply_chat_template", self.chat_template_by_default))
         return_log_probs, top = logprob_request(get)
-        ids = np.asarray(self.tokenizer.encode(text, apply_chat_template=chat), np.int32)
+        ids = self._prompt_ids(get, text, chat)
         llm_inputs = {
             "input_ids": ids,
             "max_tokens": np.asarray([values["max_tokens"]], np.int32),
@@ -94,6 +94,20 @@ class Preprocessor:
         if not text.strip():
             raise InvalidRequestError("text_input is empty")
         return text
+
+    def _prompt_ids(self, get: TensorGetter, text: str, chat: bool) -> np.ndarray:
+        """text_input tokenized, or the caller's own input_ids: a prompt already templated and tokenized (the OpenAI
+        API sends a conversation so, its messages' control-token strings encoded as text, which no text can say).
+        The llm model checks them against the vocabulary."""
+        given = get("input_ids")
+        if given is None:
+            return np.asarray(self.tokenizer.encode(text, apply_chat_template=chat), np.int32)
+        if chat:
+            raise InvalidRequestError("apply_chat_template applies to text_input; input_ids must be templated already")
+        ids = np.asarray(given).reshape(-1)
+        if ids.size == 0:
+            raise InvalidRequestError("input_ids is empty")
+        return ids.astype(np.int32)
 
     def _stop_strings(self, get: TensorGetter) -> tuple[str, ...]:
         """The non-empty stop strings (empty ones are ignored)."""

@@ -26,12 +26,16 @@ class PromptTokenizer:
         return self._encode_raw(text)
 
     def _encode_chat(self, text: str) -> list[int]:
+        return self.encode_conversation([{"role": "user", "content": text}])
+
+    def encode_conversation(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation by the chat template, ready for the assistant's turn, message contents as plain text."""
         # sanitize_control_tokens: control tokens inside the message are encoded as text. Text without them is
         # encoded exactly as the rendered template string would be. The template writes its own BOS if it wants one,
         # so the tokenizer adds no special tokens here. Thread-safe: unlike `split_special_tokens=True`, it does not
         # switch the shared Rust tokenizer's mode, which other requests' threads use at the same time.
         return list(self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False,
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False,
             sanitize_control_tokens=True,
         ))
 
