@@ -107,10 +107,10 @@ def plain_static_batch(decoder, sequences) -> float:
 
 def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
     from python_backend.engine.loop import generate
-    from python_backend.model_files import ONNX_FILE, ModelSettings
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
     from python_backend.engine.sampling import SamplingParams
     from python_backend.engine.sequence import Sequence
+    from python_backend.model_files import ONNX_FILE, ModelSettings
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
     from python_backend.serving.tokenization import PromptTokenizer
 
     tokenizer, decoder = PromptTokenizer(model_dir), OnnxDecoder(model_dir / ONNX_FILE)

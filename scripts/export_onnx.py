@@ -163,9 +163,9 @@ def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -
 
 def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     from python_backend.engine.loop import generate
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
     from python_backend.engine.sampling import SamplingParams
     from python_backend.engine.sequence import Sequence
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
     from python_backend.serving.tokenization import PromptTokenizer
 
     log(f"parity: last-position logits on a left-padded batch of 4, prefill + {DECODE_STEPS_CHECKED} decode steps")

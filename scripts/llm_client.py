@@ -18,7 +18,7 @@ import numpy as np
 
 MODEL = "ensemble"  # decoupled: gRPC streaming, /generate, /generate_stream
 UNARY_MODEL = "ensemble_unary"  # the same model for HTTP /infer and gRPC ModelInfer
-# Ensemble input name -> (Triton dtype, numpy dtype). Shapes are [1, 1] except stop_words, [1, n].
+# Ensemble input name -> (Triton dtype, numpy dtype). Shapes: [1, 1], or [1, n] for lists (stop_words, input_ids).
 INPUT_TYPES = {
     "text_input": ("BYTES", np.object_),
     "max_tokens": ("INT32", np.int32),
@@ -33,6 +33,7 @@ INPUT_TYPES = {
     "logit_bias_values": ("FP32", np.float32),
     "end_id": ("INT32", np.int32),
     "apply_chat_template": ("BOOL", np.bool_),
+    "input_ids": ("INT32", np.int32),
     "stop_words": ("BYTES", np.object_),
     "stream": ("BOOL", np.bool_),
     "exclude_input_in_output": ("BOOL", np.bool_),

@@ -5,11 +5,11 @@ import time
 import pytest
 
 from python_backend.engine.loop import Engine, QueueFullError, generate
-from python_backend.runtime.fault_injection import FaultyDecoder
-from python_backend.errors import InvalidRequestError
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
+from python_backend.errors import InvalidRequestError
+from python_backend.runtime.fault_injection import FaultyDecoder
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):", "Name a color."]
 MAX_TOKENS = [12, 6, 10, 8, 5]

@@ -123,8 +123,8 @@ def paris(tokenizer) -> int:
 def faulty_server(model_dir, tmp_path_factory, paris):
     """The same models, with faults injected on purpose (python_backend/runtime/fault_injection.py): a prefill that holds
     token 49000 fails, and so does any decode step that feeds " Paris"."""
-    from python_backend.runtime.fault_injection import FAULT_ENV
     from python_backend.model_files import MODEL_DIR_ENV
+    from python_backend.runtime.fault_injection import FAULT_ENV
     from scripts.triton_server import running_server
 
     log = tmp_path_factory.mktemp("faulty") / "server.log"

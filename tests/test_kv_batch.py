@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from python_backend.engine.loop import choose_next, generate, length_sorted_chunks
 from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.loop import choose_next, generate, length_sorted_chunks
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
 from python_backend.serving.llm_requests import LlmLimits, sequence_from_inputs
-from python_backend.engine.sequence import Sequence
-from python_backend.engine.sampling import SamplingParams
 
 LIMITS = LlmLimits(vocab_size=100, max_context_length=64, max_stop_sequences=2, max_stop_sequence_tokens=3)
 

@@ -54,3 +54,10 @@ def test_the_front_model_reads_every_input_its_config_declares():
 
     declared = {i.name for i in read_config(REPO / "ensemble" / "config.pbtxt").input}
     assert declared == set(USER_INPUTS) | {"stream"}
+
+
+def test_the_clients_know_every_input_of_the_front_model():
+    from python_backend.serving.frontend import USER_INPUTS
+    from scripts.llm_client import INPUT_TYPES
+
+    assert set(INPUT_TYPES) == set(USER_INPUTS) | {"stream"}

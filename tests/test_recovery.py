@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from python_backend.serving.heartbeat import process_alive
 from python_backend.model_files import MODEL_DIR_ENV
+from python_backend.serving.heartbeat import process_alive
 from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
 from scripts.triton_server import Ports, server_environment
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from python_backend.errors import InvalidRequestError
 from python_backend.engine.sampling import SamplingParams, TokenChooser, token_logprob, validate_sampling_values
+from python_backend.errors import InvalidRequestError
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.5], np.float32)
 

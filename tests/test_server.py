@@ -196,6 +196,8 @@ BAD_REQUESTS = [
     ({"text_input": "Hi", "max_tokens": 8, "top_k": -2}, "top_k must be >= 0"),
     ({"text_input": "Hi", "max_tokens": 8, "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ({"text_input": "Hi"}, "max_tokens is required"),
+    ({"text_input": "Hi", "max_tokens": 8, "input_ids": [1, 99999999]},
+     "input_ids holds token id 99999999, outside the vocabulary"),
 ]
 
 

@@ -13,12 +13,12 @@ from collections import deque
 
 import numpy as np
 
-from python_backend.errors import InvalidRequestError, UnavailableError
 from python_backend.engine.kv_batch import KVBatch
 from python_backend.engine.outbox import Outbox
 from python_backend.engine.sampling import token_logprob
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
 from python_backend.engine.sequence import Sequence
+from python_backend.errors import InvalidRequestError, UnavailableError
 
 
 UNMATCHED_CANCEL_TTL_S = 60.0

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from python_backend.errors import InvalidRequestError
-from python_backend.serving.request_inputs import (TensorGetter, decode_stop_sequences, logit_bias, logprob_request,
-                                          sampling_values, scalar)
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
+from python_backend.errors import InvalidRequestError
+from python_backend.serving.request_inputs import (TensorGetter, decode_stop_sequences, logit_bias, logprob_request,
+                                                  sampling_values, scalar)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.serving.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request, sampling_values,
-                                          scalar, text_list)
+from python_backend.serving.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request,
+                                                  sampling_values, scalar, text_list)
 from python_backend.serving.tokenization import PromptTokenizer
 
 NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids

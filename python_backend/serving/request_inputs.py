@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from python_backend.errors import InvalidRequestError
 from python_backend.engine.sampling import validate_sampling_values
+from python_backend.errors import InvalidRequestError
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 STOP_SEPARATOR = -1  # stop word token sequences travel as one flat INT32 tensor, separated by -1
