@@ -40,11 +40,11 @@ def render(target: Path, runtime: str, source: Path = MODEL_REPOSITORY, project_
     return target
 
 
-def repository_for(runtime: str) -> Path:
+def repository_for(runtime: str, source: Path = MODEL_REPOSITORY) -> Path:
     """The repository to serve with this runtime: the source itself for the default one, else a rendered copy."""
     if runtime == RuntimeSettings().runtime:
-        return MODEL_REPOSITORY
-    return render(PROJECT_ROOT / "build" / f"model_repository-{runtime}", runtime)
+        return source
+    return render(PROJECT_ROOT / "build" / f"model_repository-{runtime}", runtime, source=source)
 
 
 def _absolute_paths(config: model_config_pb2.ModelConfig, project_root: Path) -> None:

@@ -222,10 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.runtime:
-        from scripts.render_model_repository import render
+        from scripts.render_model_repository import repository_for
 
-        args.model_repository = render(PROJECT_ROOT / "build" / f"model_repository-{args.runtime}", args.runtime,
-                                       source=args.model_repository)
+        args.model_repository = repository_for(args.runtime, source=args.model_repository)
         print(f"runtime {args.runtime}: serving {args.model_repository}", flush=True)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     env = dict(os.environ) if args.tritonserver else server_environment()

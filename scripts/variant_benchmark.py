@@ -55,9 +55,9 @@ def llm_process_rss_mb() -> float:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
+    from python_backend.runtime.onnx_decoder import file_cache_shape
 
-    return OnnxDecoder(model_dir / ONNX_FILE).cache_shape.bytes_per_token()
+    return file_cache_shape(model_dir / ONNX_FILE).bytes_per_token()
 
 
 def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -> VariantRow:

@@ -17,6 +17,7 @@ from python_backend.runtime import onnx_providers
 from python_backend.runtime.decoder import RuntimeUnavailableError
 from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, ServingLimits, decoder_limits,
                                             open_decoder)
+from python_backend.runtime.onnx_decoder import file_cache_shape
 from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 from python_backend.runtime.trt_profiles import optimization_profiles
 from scripts.triton_server import PROJECT_ROOT
@@ -161,6 +162,7 @@ def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(m
     assert (limits.num_layers, limits.num_kv_heads, limits.head_dim) == (shape.num_layers, shape.num_kv_heads,
                                                                          shape.head_dim)
     assert limits.max_batch_size == 32 and limits.max_context_length == 2048
+    assert file_cache_shape(model_dir / ONNX_FILE) == shape  # the file's declared inputs, as the session sees them
 
 
 def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(model_dir, capsys):

@@ -144,14 +144,12 @@ def _onnxruntime_on_gpu(settings, onnx_path: Path, tensors: TorchTensors, limits
 
 def decoder_limits(onnx_path: Path, limits: ServingLimits) -> DecoderLimits:
     """The config's limits with the cache's dimensions, read from the graph's inputs (not its weights)."""
-    import onnx
+    from python_backend.runtime.onnx_decoder import file_cache_shape
 
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    past = [i for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
-    dims = past[0].type.tensor_type.shape.dim
+    shape = file_cache_shape(onnx_path)
     return DecoderLimits(max_batch_size=limits.max_batch_size, max_prefill_tokens=limits.max_prefill_tokens,
-                         max_context_length=limits.max_context_length, num_layers=len(past),
-                         num_kv_heads=dims[1].dim_value, head_dim=dims[3].dim_value)
+                         max_context_length=limits.max_context_length, num_layers=shape.num_layers,
+                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
 
 
 def _under(root: Path, path: Path) -> Path:

@@ -42,6 +42,20 @@ def graph_cache_shape(session: ort.InferenceSession) -> CacheShape:
                       dtype=np.dtype(ORT_TO_NUMPY[first.type]))
 
 
+def file_cache_shape(model_path: str | os.PathLike) -> CacheShape:
+    """The cache's shape from the ONNX file's declared inputs, without loading its weights or making a session."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    keys = [i for i in graph.input if _PAST_KEY.fullmatch(i.name)]
+    if not keys:
+        raise ValueError(f"{model_path} has no past_key_values.N.key inputs: not a decoder with a KV cache")
+    tensor_type = keys[0].type.tensor_type
+    dims = tensor_type.shape.dim
+    return CacheShape(num_layers=len(keys), num_kv_heads=dims[1].dim_value, head_dim=dims[3].dim_value,
+                      dtype=onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+
+
 def graph_vocab_size(session: ort.InferenceSession) -> int:
     """The logits' last dimension: fixed in the graphs we know; else found by one forward pass of one token."""
     size = session.get_outputs()[0].shape[-1]
