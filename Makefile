@@ -5,10 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # RUNTIME picks the llm model's runtime for serve, benchmark and sweep: onnxruntime (CPU, the default),
 # onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
-# model_repository/ rendered into build/model_repository-RUNTIME (scripts/render_model_repository.py).
+# model_repository/ rendered into build/model_repository-RUNTIME (scripts/launcher/render_model_repository.py).
 RUNTIME ?= onnxruntime
 # QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
-# fp16 (scripts/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU
+# fp16 (scripts/prepare/quantize.py). EXPORT_DIR holds the fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU
 # runtimes default to fp32: TensorRT cannot parse the variants' MatMulNBits, and a GPU has fp16 kernels of its own.
 QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
 QUANTS := int4 int4-fast int8 fp16
@@ -60,8 +60,8 @@ lint: $(LINT_VENV)/.installed
 	else echo "no kubectl: checkov skips the Kubernetes overlays"; fi
 
 model: venv
-	$(PY) -m scripts.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
-	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.quantize --quant $(QUANT) --source $(EXPORT_DIR))
+	$(PY) -m scripts.prepare.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
+	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.prepare.quantize --quant $(QUANT) --source $(EXPORT_DIR))
 
 # The folder that serve, demo and benchmark use (docker/compose.yaml asks it).
 model-dir:
@@ -69,25 +69,25 @@ model-dir:
 
 # Every quantized variant, each checked against its parity thresholds (make test serves each once).
 variants: model
-	for quant in $(QUANTS); do $(PY) -m scripts.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
+	for quant in $(QUANTS); do $(PY) -m scripts.prepare.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
 
 # A TensorRT engine of the fp32 export for this machine's GPU (needs TensorRT's Python API: docker/Dockerfile.gpu has
 # it), with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
 engine: model
-	$(PY) -m scripts.build_engine --model-dir $(EXPORT_DIR) --precision $(PRECISION)
+	$(PY) -m scripts.prepare.build_engine --model-dir $(EXPORT_DIR) --precision $(PRECISION)
 
 # The GPU tests (pytest -m gpu) with what this machine has; each missing piece is a skip that says what it is.
 gpu-check:
 	bash scripts/gpu_check.sh
 
 demo: model
-	$(PY) -m scripts.demo
+	$(PY) -m scripts.clients.demo
 
 # Supervised: readiness on $(HEALTH_PORT)/health/ready, a dead model process is reloaded or the server restarted.
 # The OpenAI-compatible API runs beside it on $(OPENAI_PORT). SERVE_ARGS=--no-supervise runs tritonserver without
 # the supervisor, SERVE_ARGS=--no-openai without the OpenAI API.
 serve: model
-	$(PY) -m scripts.triton_server --address $(ADDRESS) \
+	$(PY) -m scripts.launcher.triton_server --address $(ADDRESS) \
 		$(if $(filter-out onnxruntime,$(RUNTIME)),--runtime $(RUNTIME)) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
@@ -97,7 +97,7 @@ test: variants
 	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest $(PYTEST_ARGS)
 
 benchmark: variants
-	$(PY) -m scripts.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
+	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
 
 sweep: model
 	$(PY) -m loadtests.sweep --runtime $(RUNTIME) $(SWEEP_ARGS)

@@ -47,9 +47,18 @@ import gevent.queue  # noqa: E402
 from locust import FastHttpUser, User, constant, events, task  # noqa: E402
 from locust.runners import MasterRunner, WorkerRunner  # noqa: E402
 
-from loadtests.endpoints import (EndpointError, RequestFailed, check_grpc, chat_deltas, error_text,  # noqa: E402
-                                 first_model_id, grpc_url_from_host, http_error_text, openai_url_from_host,
-                                 sse_events)
+from loadtests.endpoints import (  # noqa: E402
+    EndpointError,
+    RequestFailed,
+    chat_deltas,
+    check_grpc,
+    error_text,
+    first_model_id,
+    grpc_url_from_host,
+    http_error_text,
+    openai_url_from_host,
+    sse_events,
+)
 from loadtests.workload import DEFAULT_PROMPTS, MaxTokens, Workload, chat_request, load_prompts  # noqa: E402
 
 MODEL = "ensemble"
@@ -252,7 +261,7 @@ class GrpcStreamUser(User):
 
     @task
     def grpc_stream(self):
-        from scripts.llm_client import triton_inputs
+        from scripts.clients.llm_client import triton_inputs
 
         timer = _StreamTimer(self.environment, "gRPC", "grpc_stream")
         try:
@@ -296,7 +305,7 @@ class ChatStreamUser(User):
         try:
             _model_ids[url] = first_model_id(url)
         except EndpointError as error:
-            raise EndpointError(f"{error}; pass --openai-url, start the service (python -m scripts.openai_server), "
+            raise EndpointError(f"{error}; pass --openai-url, start the service (python -m scripts.launcher.openai_server), "
                                 "or name the users to run without it") from None
 
     @classmethod

@@ -8,7 +8,7 @@ plots and a Markdown report naming the best configuration within a latency budge
 Each (max_batch_size, strategy) is applied to the running server without a restart (explicit model control: the
 llm model is loaded again with a config override). For each concurrency level, Locust runs headless for --duration
 seconds with that many users (each sends its next request when the previous answer is complete); with
-`--user ChatStreamUser` the sweep also starts the OpenAI-compatible service (scripts/openai_server.py) in front of its
+`--user ChatStreamUser` the sweep also starts the OpenAI-compatible service (scripts/launcher/openai_server.py) in front of its
 server. Latency, TTFT and ITL come from Locust's own CSV; output tokens/s from the llm model's token counter; queue
 times and batch sizes from Triton's statistics API and the engine's batch-size histogram.
 """
@@ -28,12 +28,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from loadtests.workload import DEFAULT_PROMPTS, MaxTokens
-from scripts.model_control import SERVED_MODELS, reload_llm
 from python_backend.runtime.factory import RUNTIMES
-from scripts.render_model_repository import repository_for
-from scripts.openai_server import running_openai_api
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import PROJECT_ROOT, running_server
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.render_model_repository import repository_for
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
+from scripts.paths import BUILD_DIR, PROJECT_ROOT, default_model_dir
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 ENTRIES = {"StreamUser": "generate_stream", "GrpcStreamUser": "grpc_stream", "ChatStreamUser": "chat_stream"}
@@ -89,11 +90,9 @@ def run_locust(prefix: Path, user: str, concurrency: int, duration_s: float, htt
 
 
 def openai_service(grpc_port: int, log_path: Path, model_dir: Path | None = None, timeout_s: float = 120):
-    """The OpenAI-compatible service (scripts/openai_server.py) in front of a local server, on a free port; a context
+    """The OpenAI-compatible service (scripts/launcher/openai_server.py) in front of a local server, on a free port; a context
     that yields its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
-    from python_backend.model_files import MODEL_DIR_ENV
-
-    model_dir = model_dir or Path(os.environ.get(MODEL_DIR_ENV) or PROJECT_ROOT / "build" / "model")
+    model_dir = model_dir or default_model_dir()
     return running_openai_api(f"127.0.0.1:{grpc_port}", model_dir, log_path, timeout_s, log_level="warning")
 
 
@@ -299,7 +298,7 @@ def parse_args(argv):
     parser.add_argument("--max-tokens", default="choice:16,32,64")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--latency-budget", type=float, default=10.0, help="p95 request latency budget, seconds")
-    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "sweep")
+    parser.add_argument("--output", type=Path, default=BUILD_DIR / "sweep")
     parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES, help="the server's llm runtime")
     args = parser.parse_args(argv)
     if args.quick:

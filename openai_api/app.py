@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_api.errors import APIError, InvalidRequest, TooLarge, unknown_model
@@ -28,7 +28,7 @@ from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_
 from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs
 from openai_api.token_text import TokenTexts
 from openai_api.triton_backend import EnsembleRequest, TritonBackend
-from python_backend.model_files import SETTINGS_FILE, ModelSettings
+from python_backend.model_files import DEFAULT_MODEL_DIR, SETTINGS_FILE, ModelSettings
 from python_backend.serving.tokenization import PromptTokenizer
 
 log = logging.getLogger("openai_api")
@@ -40,7 +40,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @dataclass(frozen=True)
 class ServiceConfig:
     triton_url: str = "127.0.0.1:8001"
-    model_dir: Path = Path("build/model")
+    model_dir: Path = Path(DEFAULT_MODEL_DIR)  # relative to the working directory
     served_model_name: str | None = None  # default: llm_settings.json's model_name
     health_url: str | None = None  # e.g. the supervisor's http://127.0.0.1:8003/health/ready
     default_max_tokens: int | None = None  # chat without max_tokens; default: the rest of the context

@@ -1,5 +1,5 @@
 """The service's one connection to Triton: a shared ``tritonclient.grpc.aio`` client, and one bidirectional gRPC stream
-per choice to the decoupled ``ensemble`` model (its interface: /tmp/ensemble_contract.md, README "Streaming").
+per choice to the decoupled ``ensemble`` model (its interface: docs/api.md; streaming: docs/architecture.md).
 
 Every request carries the parameter ``tag_errors``, so the ensemble writes the error's code into its message
 (``[INVALID_ARG] ...``, ``[UNAVAILABLE] ...``): over a gRPC stream Triton passes the message only, and the code is what

@@ -2,7 +2,7 @@
 
 An exported model folder holds ``onnx/model.onnx`` (+ external data), the tokenizer files, ``llm_settings.json``
 (EOS ids, context length, quantization variant) and ``parity_report.json``. A quantized variant
-(scripts/quantize.py) is a folder of the same shape."""
+(scripts/prepare/quantize.py) is a folder of the same shape."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ ONNX_FILE = "onnx/model.onnx"
 SETTINGS_FILE = "llm_settings.json"
 PARITY_REPORT_FILE = "parity_report.json"
 MODEL_DIR_ENV = "TRITON_LLM_MODEL_DIR"
+# Where `make model` exports, relative to the project root; the model configs' `model_dir` parameters say the same.
+DEFAULT_MODEL_DIR = "build/model"
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class ModelSettings:
     pad_token_id: int | None
     max_position_embeddings: int
     model_name: str
-    quantization: str = "fp32"  # the variant (scripts/quantize.py): fp32, int4, int4-fast, int8 or fp16
+    quantization: str = "fp32"  # the variant (scripts/prepare/quantize.py): fp32, int4, int4-fast, int8 or fp16
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike) -> "ModelSettings":

@@ -1,1 +1,1 @@
-"""Command-line tools: export, serve, demo, client. Run them as ``python -m scripts.<name>``."""
+"""Command-line tools around the served model, one package per job: prepare, launcher, bench, clients, deploy."""

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
-from scripts.triton_server import PROJECT_ROOT, running_server
+from scripts.launcher.triton_server import running_server
+from scripts.paths import PROJECT_ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

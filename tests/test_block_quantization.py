@@ -1,4 +1,4 @@
-"""Block quantization (scripts/block_quantization.py) and the graph rewrite (scripts/quantize.py), run by onnxruntime's
+"""Block quantization (scripts/prepare/block_quantization.py) and the graph rewrite (scripts/prepare/quantize.py), run by onnxruntime's
 own MatMulNBits kernels on small graphs: on weights that came from GGUF grids the quantized product is the fp32
 product; on other weights the residual still helps."""
 
@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from scripts.block_quantization import block_sum_matrix, quantize
-from scripts.quantize import Recipe, quantize_on_grid, untie_lm_head
+from scripts.prepare.block_quantization import block_sum_matrix, quantize
+from scripts.prepare.quantize import Recipe, quantize_on_grid, untie_lm_head
 
 K, N, BLOCK = 96, 40, 32
 

@@ -1,4 +1,4 @@
-"""scripts/build_engine.py: the limits and graph sizes of the real config and export, the builder settings of each
+"""scripts/prepare/build_engine.py: the limits and graph sizes of the real config and export, the builder settings of each
 precision, the manifest of a build, and the script's one-line failure without TensorRT; the tests marked gpu build
 small engines from the real export and hold TensorRTDecoder's logits and greedy tokens to the CPU decoder's."""
 
@@ -15,17 +15,18 @@ import numpy as np
 import pytest
 
 from python_backend.model_files import ONNX_FILE
-from python_backend.runtime.engine_manifest import EngineManifest, EngineMismatchError, ServingLimits, load
+from python_backend.runtime.decoder import ServingLimits
+from python_backend.runtime.engine_manifest import EngineManifest, EngineMismatchError, load
 from python_backend.runtime.trt_profiles import optimization_profiles
-from scripts import build_engine
-from scripts.build_engine import (BuildError, GraphDims, config_limits, make_manifest, make_plan, precision_flags,
+from scripts.prepare import build_engine
+from scripts.prepare.build_engine import (BuildError, GraphDims, config_limits, make_manifest, make_plan, precision_flags,
                                   precision_problem, read_graph_dims, write_engine)
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, PROJECT_ROOT
+from scripts.paths import MODEL_REPOSITORY, PROJECT_ROOT
 
 
 def limits_in_config_text() -> ServingLimits:
-    """The config's limits read with a regex, independently of scripts/model_config.py."""
-    text = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    """The config's limits read with a regex, independently of scripts/launcher/model_config.py."""
+    text = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
 
     def parameter(key):
         return int(re.search(rf'key: "{key}" value: {{ string_value: "(\d+)" }}', text).group(1))
@@ -89,14 +90,14 @@ def test_the_decoder_interface_is_accepted(tmp_path):
 
 
 def test_onnxruntime_only_operators_are_refused(tmp_path):
-    """scripts/quantize.py's int4 and int8 variants compute with com.microsoft.MatMulNBits."""
+    """scripts/prepare/quantize.py's int4 and int8 variants compute with com.microsoft.MatMulNBits."""
     path = save_graph(tmp_path / "model.onnx", DECODER_INPUTS, DECODER_OUTPUTS, domain="com.microsoft")
     with pytest.raises(BuildError, match=r"cannot parse \(com\.microsoft\.Identity\).*fp32 export"):
         read_graph_dims(path)
 
 
 def test_limits_come_from_the_llm_config():
-    assert config_limits(DEFAULT_MODEL_REPOSITORY) == limits_in_config_text()
+    assert config_limits(MODEL_REPOSITORY) == limits_in_config_text()
 
 
 def test_plan_of_the_real_export(model_dir, hf_config):
@@ -208,7 +209,7 @@ def test_a_new_engine_never_sits_beside_the_previous_manifest(small_plan, monkey
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scripts.build_engine", *args], cwd=PROJECT_ROOT,
+    return subprocess.run([sys.executable, "-m", "scripts.prepare.build_engine", *args], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

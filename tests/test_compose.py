@@ -5,11 +5,10 @@ scaled, images are pinned, and the Locust image's pins match the project's."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
 
-from scripts.triton_server import PROJECT_ROOT
+from scripts.paths import PROJECT_ROOT
 
 DOCKER = PROJECT_ROOT / "docker"
 
@@ -92,7 +91,7 @@ def test_the_gpu_override_serves_the_engine_it_builds_on_reserved_gpus():
     model_dir = gpu["triton"]["environment"]["TRITON_LLM_MODEL_DIR"]
     assert model_dir == export_dir
     assert f"test -f {model_dir}/{ENGINE_FILE}" in gpu["engine"]["command"]
-    assert f"scripts.build_engine --model-dir {model_dir}" in gpu["engine"]["command"]
+    assert f"scripts.prepare.build_engine --model-dir {model_dir}" in gpu["engine"]["command"]
     assert set(gpu) <= set(services()) | {"engine"}
 
 

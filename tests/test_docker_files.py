@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from scripts.triton_server import PROJECT_ROOT
+from scripts.paths import PROJECT_ROOT
 
 
 def pins(path):
@@ -43,13 +43,13 @@ def test_dockerfile_copies_what_exists_and_points_at_the_model(image):
 def test_the_gpu_image_serves_a_repository_rendered_for_its_runtime(tmp_path):
     """The image's render command, run here into a temporary folder, gives the llm model on a GPU runtime with
     KIND_GPU; the container serves the folder that command writes."""
-    from scripts.model_config import read_config
-    from scripts.render_model_repository import main as render_main
-    from scripts.triton_server import build_parser
+    from scripts.launcher.model_config import read_config
+    from scripts.launcher.render_model_repository import main as render_main
+    from scripts.launcher.triton_server import build_parser
 
     text = (DOCKER / "Dockerfile.gpu").read_text()
     runtime = re.search(r"^ARG LLM_RUNTIME=(\S+)$", text, re.M).group(1)
-    render = re.search(r"python3 -m scripts\.render_model_repository (.+?) \\$", text, re.M).group(1)
+    render = re.search(r"python3 -m scripts\.launcher\.render_model_repository (.+?) \\$", text, re.M).group(1)
     args = render.replace('"${LLM_RUNTIME}"', runtime).split()
     served = build_parser().parse_args(container_command(text)[3:]).model_repository
     assert args[args.index("--output") + 1] == str(served)
@@ -67,11 +67,11 @@ def container_command(text: str) -> list[str]:
 
 @pytest.mark.parametrize("image", SERVING_IMAGES)
 def test_the_container_runs_the_supervisor_and_its_healthcheck_asks_it(image):
-    from scripts.triton_server import build_parser
+    from scripts.launcher.triton_server import build_parser
 
     text = (DOCKER / image).read_text()
     args = container_command(text)
-    assert args[:3] == ["python3", "-m", "scripts.triton_server"]
+    assert args[:3] == ["python3", "-m", "scripts.launcher.triton_server"]
     health_port = args[args.index("--health-port") + 1]
     assert f"127.0.0.1:{health_port}/health/ready" in text and f"EXPOSE 8000 8001 8002 {health_port}" in text
     parsed = build_parser().parse_args(args[3:])  # an unknown flag would exit here
@@ -83,7 +83,7 @@ def test_the_container_runs_the_supervisor_and_its_healthcheck_asks_it(image):
 def test_the_container_ships_the_openai_api_that_its_command_runs(image, requirements):
     """The serve command runs the OpenAI-compatible API unless told --no-openai: then the image must hold its code and
     its libraries, and expose its port."""
-    from scripts.triton_server import build_parser
+    from scripts.launcher.triton_server import build_parser
 
     text = (DOCKER / image).read_text()
     assert requirements in text

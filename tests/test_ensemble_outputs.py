@@ -11,7 +11,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
-from scripts.llm_client import triton_inputs
+from scripts.clients.llm_client import triton_inputs
 
 pytestmark = pytest.mark.server
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from scripts.llm_client import GrpcStreamClient
+from scripts.clients.llm_client import GrpcStreamClient
 
 NEIGHBOURS = ["What is the capital of France?", "Name three primary colors.", "用一句话介绍一下长城。",
               "Write a Python function that reverses a string.", "Why do cats purr?", "Hi!", "What is 2+2?",
@@ -125,7 +125,7 @@ def faulty_server(model_dir, tmp_path_factory, paris):
     token 49000 fails, and so does any decode step that feeds " Paris"."""
     from python_backend.model_files import MODEL_DIR_ENV
     from python_backend.runtime.fault_injection import FAULT_ENV
-    from scripts.triton_server import running_server
+    from scripts.launcher.triton_server import running_server
 
     log = tmp_path_factory.mktemp("faulty") / "server.log"
     env = {MODEL_DIR_ENV: str(model_dir), FAULT_ENV: f"prefill_token={PREFILL_POISON},decode_token={paris}"}

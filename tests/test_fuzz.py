@@ -3,7 +3,7 @@ clear client error (400 / INVALID_ARGUMENT with a message) or, when the mutation
 nothing gets an internal error from the project, nothing hangs, and the server stays ready.
 
 Triton's own JSON parser answers some type errors on /generate with HTTP 500 before any model runs (a string for
-an integer, say): those are Triton's, recognised by their messages below and listed in the README."""
+an integer, say): those are Triton's, recognised by their messages below and listed in docs/api.md ("Errors")."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from scripts.llm_client import GenerateClient
+from scripts.clients.llm_client import GenerateClient
 
 BASE = {"text_input": "Hi", "max_tokens": 4, "apply_chat_template": True}  # a chat answer ends at EOS soon
 TRITON_PARSER_ERRORS = ("Unable to parse", "failed to parse the request JSON", "attempt to get members for non-object")

@@ -19,8 +19,8 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE
-from python_backend.runtime.decoder import TorchTensors
-from scripts.triton_server import PROJECT_ROOT
+from python_backend.runtime.decoder import ServingLimits, TorchTensors
+from scripts.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.gpu
 
@@ -113,7 +113,7 @@ def test_the_engine_with_its_cache_on_the_gpu_is_token_exact(cpu_answers):
 def _gpu_runtime(runtime: str, provider: str, model_dir: Path, **settings):
     import onnxruntime as ort
 
-    from python_backend.runtime.factory import RuntimeSettings, ServingLimits, open_decoder
+    from python_backend.runtime.factory import RuntimeSettings, open_decoder
 
     if provider not in ort.get_available_providers():
         pytest.skip(f"this onnxruntime has no {provider} (onnxruntime-gpu has it)")

@@ -9,14 +9,14 @@ import re
 
 import yaml
 
-from scripts import grafana_dashboard
-from scripts.triton_server import PROJECT_ROOT
+from scripts.deploy import grafana_dashboard
+from scripts.paths import PROJECT_ROOT
 
 PROVISIONING = PROJECT_ROOT / "deploy" / "grafana" / "provisioning"
 
 
 def test_the_committed_json_is_what_the_generator_writes():
-    assert grafana_dashboard.OUTPUT.read_text() == grafana_dashboard.render(), "run python -m scripts.grafana_dashboard"
+    assert grafana_dashboard.OUTPUT.read_text() == grafana_dashboard.render(), "run python -m scripts.deploy.grafana_dashboard"
 
 
 def test_every_query_reads_a_recording_rule_or_an_exported_metric():

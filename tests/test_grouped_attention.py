@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from scripts.grouped_attention import grouped_query_attention
+from scripts.prepare.grouped_attention import grouped_query_attention
 
 
 @pytest.mark.parametrize("q_len, past", [(1, 37), (6, 0), (4, 9)])

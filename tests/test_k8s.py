@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.triton_server import PROJECT_ROOT
+from scripts.paths import PROJECT_ROOT
 
 K8S = PROJECT_ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
@@ -68,7 +68,7 @@ def test_the_gpu_overlay_builds_the_engine_where_the_server_looks_for_it():
     [init], [server] = pod["initContainers"], pod["containers"]
     assert init["image"] == server["image"] == "triton-llm-gpu:0.1.0"
     model_dir = next(e["value"] for e in server["env"] if e["name"] == "TRITON_LLM_MODEL_DIR")
-    assert f"test -f {model_dir}/{ENGINE_FILE} || python3 -m scripts.build_engine --model-dir {model_dir}" \
+    assert f"test -f {model_dir}/{ENGINE_FILE} || python3 -m scripts.prepare.build_engine --model-dir {model_dir}" \
         in init["command"][-1]
     assert {m["mountPath"] for m in init["volumeMounts"]} == {model_dir}
     assert init["resources"]["limits"]["nvidia.com/gpu"] == 1

@@ -15,10 +15,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.llm_client import GenerateClient, HttpClient, RequestError, triton_inputs
-from scripts.openai_server import running_openai_api
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, running_server
+from scripts.clients.llm_client import GenerateClient, HttpClient, RequestError, triton_inputs
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
+from scripts.paths import MODEL_REPOSITORY
 
 FRONT_LIMITS = {"max_concurrent_requests": 2, "max_prompt_bytes": 64, "max_stop_strings": 2,
                 "max_stop_string_bytes": 8}
@@ -34,7 +35,7 @@ def set_parameter(config: Path, key: str, value) -> None:
 @pytest.fixture(scope="module")
 def limited(model_dir, tmp_path_factory):
     repository = tmp_path_factory.mktemp("limits") / "model_repository"
-    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository, symlinks=True)
+    shutil.copytree(MODEL_REPOSITORY, repository, symlinks=True)
     for name in ("ensemble", "ensemble_unary"):
         for key, value in FRONT_LIMITS.items():
             set_parameter(repository / name / "config.pbtxt", key, value)

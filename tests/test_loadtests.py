@@ -26,7 +26,8 @@ from loadtests.endpoints import (EndpointError, RequestFailed, chat_deltas, erro
 from loadtests.perf_inputs import (GENAI_PERF_FILE, PERF_ANALYZER_FILE, check_perf_analyzer_data,
                                    genai_perf_lines, main as perf_inputs_main)
 from loadtests.workload import MaxTokens, Workload, chat_request, load_prompts
-from scripts.triton_server import PROJECT_ROOT, Ports
+from scripts.launcher.processes import Ports
+from scripts.paths import PROJECT_ROOT
 
 LOCUSTFILE = PROJECT_ROOT / "loadtests" / "locustfile.py"
 

@@ -1,7 +1,6 @@
 import pytest
 
 from python_backend.engine.memory_planner import PRESETS, ModelShape, kv_bytes_per_token, plan
-from python_backend.runtime.onnx_decoder import OnnxDecoder
 
 
 def test_llama_7b_kv_cache_is_half_a_mebibyte_per_token_in_fp16():

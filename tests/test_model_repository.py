@@ -1,7 +1,7 @@
 """The model repository's configs: the two front models must not drift apart, and the interface stays
 TensorRT-LLM's."""
 
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY as REPO
+from scripts.paths import MODEL_REPOSITORY as REPO
 
 
 def config_lines(name):
@@ -48,16 +48,22 @@ def test_the_ensemble_has_every_name_triton_s_openai_frontend_uses():
     assert "output_token_count" not in text  # replaced by num_output_tokens; nothing needs it any more
 
 
-def test_the_front_model_reads_every_input_its_config_declares():
-    from python_backend.serving.frontend import USER_INPUTS
-    from scripts.model_config import read_config
+def test_the_clients_know_every_input_of_the_front_model_and_its_type():
+    # The front model reads its input names from its own config; a client, which cannot read the server's files,
+    # keeps its own table, checked here against the config.
+    from scripts.clients.llm_client import INPUT_TYPES
+    from scripts.launcher.model_config import read_config
+    from tritonclient.grpc import model_config_pb2
 
-    declared = {i.name for i in read_config(REPO / "ensemble" / "config.pbtxt").input}
-    assert declared == set(USER_INPUTS) | {"stream"}
+    declared = {i.name: model_config_pb2.DataType.Name(i.data_type).removeprefix("TYPE_")
+                for i in read_config(REPO / "ensemble" / "config.pbtxt").input}
+    known = {name: triton_type for name, (triton_type, _) in INPUT_TYPES.items()}
+    assert known == {name: "BYTES" if kind == "STRING" else kind for name, kind in declared.items()}
 
 
-def test_the_clients_know_every_input_of_the_front_model():
-    from python_backend.serving.frontend import USER_INPUTS
-    from scripts.llm_client import INPUT_TYPES
+def test_the_configs_and_the_commands_name_one_default_model_folder():
+    from python_backend.model_files import DEFAULT_MODEL_DIR
+    from scripts.launcher.model_config import parameter, read_config
 
-    assert set(INPUT_TYPES) == set(USER_INPUTS) | {"stream"}
+    for model in ("llm", "ensemble", "ensemble_unary"):
+        assert parameter(read_config(REPO / model / "config.pbtxt"), "model_dir") == DEFAULT_MODEL_DIR

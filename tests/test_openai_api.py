@@ -1,4 +1,4 @@
-"""The OpenAI-compatible service (scripts/openai_server.py) against the real tritonserver and model, driven by the
+"""The OpenAI-compatible service (scripts/launcher/openai_server.py) against the real tritonserver and model, driven by the
 official `openai` client: answers equal transformers', streams equal whole answers, usage equals the tokenizer's
 counts, logprobs equal transformers' log-softmax, errors have OpenAI's shape and status, and a client that leaves
 frees its sequence in the engine."""
@@ -18,8 +18,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from openai_api.app import ServiceConfig, create_app
-from scripts.openai_server import running_openai_api
-from scripts.server_metrics import read_metrics
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.server_metrics import read_metrics
 
 pytestmark = pytest.mark.server
 

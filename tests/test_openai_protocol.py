@@ -21,7 +21,8 @@ from openai_api.protocol import (MAX_CHOICES, UNSUPPORTED_CHAT, UNSUPPORTED_COMP
 from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs, Usage
 from openai_api.token_text import TokenTexts, byte_decoder
 from openai_api.triton_backend import EnsembleRequest, Piece
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, Ports
+from scripts.launcher.processes import Ports
+from scripts.paths import MODEL_REPOSITORY
 
 MODEL = "test-model"
 VOCAB = 49152
@@ -157,7 +158,7 @@ def test_sampling_defaults_are_openais_and_temperature_0_is_greedy():
 # --- what the ensemble is sent ---
 
 def ensemble_config_inputs() -> dict[str, str]:
-    text = (DEFAULT_MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text()
+    text = (MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text()
     return dict(re.findall(r'name: "(\w+)" data_type: TYPE_(\w+)', text.split("output [")[0]))
 
 

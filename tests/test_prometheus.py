@@ -12,14 +12,14 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
-from scripts import grafana_dashboard
-from scripts.llm_client import GenerateClient
-from scripts.triton_server import PROJECT_ROOT, Ports, terminate
+from scripts.deploy import grafana_dashboard
+from scripts.clients.llm_client import GenerateClient
+from scripts.launcher.processes import Ports, terminate
+from scripts.paths import PROJECT_ROOT
 
 PROMETHEUS_DIR = PROJECT_ROOT / "deploy" / "prometheus"
 NEEDS = "needs Debian's prometheus package (apt-get install prometheus), which .ci/run installs"

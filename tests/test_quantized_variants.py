@@ -1,4 +1,4 @@
-"""Every weight variant (`make variants`: scripts/quantize.py) against its parity thresholds, and served once by a real
+"""Every weight variant (`make variants`: scripts/prepare/quantize.py) against its parity thresholds, and served once by a real
 tritonserver from its own folder with no code change: the answer, the metrics' variant label, and for the variants
 that keep fp32's greedy tokens, the same answer as fp32."""
 
@@ -9,11 +9,11 @@ import json
 import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, PARITY_REPORT_FILE, SETTINGS_FILE
-from scripts.llm_client import GenerateClient
-from scripts.quantize import QUANT_CHOICES, variant_dir
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import running_server
-from scripts.variant_parity import THRESHOLDS, judge
+from scripts.clients.llm_client import GenerateClient
+from scripts.prepare.quantize import QUANT_CHOICES, variant_dir
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
+from scripts.prepare.variant_parity import THRESHOLDS, judge
 
 REQUEST = {"text_input": "What is the capital of France?", "max_tokens": 24, "apply_chat_template": True}
 

@@ -18,8 +18,9 @@ import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.heartbeat import process_alive
-from scripts.llm_client import GrpcClient, GrpcStreamClient, RequestError
-from scripts.triton_server import Ports, server_environment
+from scripts.clients.llm_client import GrpcClient, GrpcStreamClient, RequestError
+from scripts.launcher.processes import Ports
+from scripts.launcher.triton_server import server_environment
 
 PROMPT = {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 16}
 LONG = {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": 49151}
@@ -58,7 +59,7 @@ def supervised(model_dir, tmp_path_factory):
     ports, health_port = Ports.free(), Ports.free().http
     log = open(tmp_path_factory.mktemp("supervised") / "server.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.triton_server", "--no-openai", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+        [sys.executable, "-m", "scripts.launcher.triton_server", "--no-openai", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
          "--metrics-port", str(ports.metrics), "--health-port", str(health_port)],
         env={**server_environment(), MODEL_DIR_ENV: str(model_dir)}, stdout=log, stderr=subprocess.STDOUT)
     server = Supervised(ports, health_port)

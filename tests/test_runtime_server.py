@@ -12,11 +12,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.llm_client import GenerateClient
-from scripts.model_control import SERVED_MODELS, reload_llm
-from scripts.model_config import read_config
-from scripts.render_model_repository import render
-from scripts.triton_server import running_server
+from scripts.clients.llm_client import GenerateClient
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.model_config import read_config
+from scripts.launcher.render_model_repository import render
+from scripts.launcher.triton_server import running_server
 
 pytestmark = pytest.mark.server
 

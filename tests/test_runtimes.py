@@ -14,13 +14,13 @@ from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime import onnx_providers
-from python_backend.runtime.decoder import RuntimeUnavailableError
-from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, ServingLimits, decoder_limits,
+from python_backend.runtime.decoder import RuntimeUnavailableError, ServingLimits
+from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, decoder_limits,
                                             open_decoder)
 from python_backend.runtime.onnx_decoder import file_cache_shape
 from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 from python_backend.runtime.trt_profiles import optimization_profiles
-from scripts.triton_server import PROJECT_ROOT
+from scripts.paths import PROJECT_ROOT
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍一下长城。",
            "List three colors.", "def add(a, b):", "Count from one to ten."]
@@ -166,7 +166,7 @@ def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(m
 
 
 def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(model_dir, capsys):
-    from scripts.runtime_benchmark import main
+    from scripts.bench.runtime_benchmark import main
 
     assert main(["--model-dir", str(model_dir), "--requests", "4", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| onnxruntime")]

@@ -16,9 +16,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from scripts.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import Ports, server_environment
+from scripts.clients.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.processes import Ports
+from scripts.launcher.triton_server import server_environment
 
 PROMPTS = [
     "What is the capital of France?",
@@ -238,7 +239,7 @@ def test_wrong_dtype_gets_a_clear_400(server):
 
 
 def test_client_cli_writes_jsonl(server, tmp_path):
-    from scripts import client
+    from scripts.clients import client
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text_input": "What is 2+2?", "max_tokens": 8, "apply_chat_template": true}\n'
@@ -257,12 +258,12 @@ def test_client_cli_writes_jsonl(server, tmp_path):
 def test_serve_command_stops_cleanly_on_sigterm(model_dir):
     ports = Ports.free()
     process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.triton_server", "--no-openai", "--http-port", str(ports.http),
+        [sys.executable, "-m", "scripts.launcher.triton_server", "--no-openai", "--http-port", str(ports.http),
          "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--health-port", str(Ports.free().http)],
         env={**server_environment(), "TRITON_LLM_MODEL_DIR": str(model_dir)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    from scripts.triton_server import wait_until_ready
+    from scripts.launcher.triton_server import wait_until_ready
 
     try:
         wait_until_ready(process, ports, timeout_s=120)

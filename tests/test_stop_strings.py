@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from scripts.llm_client import GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient
-from scripts.server_metrics import read_metrics
+from scripts.clients.llm_client import GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient
+from scripts.launcher.server_metrics import read_metrics
 
 PROMPT = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # greedy

@@ -13,10 +13,10 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.llm_client import GrpcStreamClient, triton_inputs
-from scripts.model_control import SERVED_MODELS, reload_llm
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import running_server
+from scripts.clients.llm_client import GrpcStreamClient, triton_inputs
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
 
 REQUESTS = [
     {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 24},

@@ -16,11 +16,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.llm_client import (GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient, HttpClient,
+from scripts.clients.llm_client import (GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient, HttpClient,
                                 RequestError, triton_inputs)
 from tritonclient.utils import InferenceServerException
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, running_server
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
+from scripts.paths import MODEL_REPOSITORY
 
 STREAM_PROMPTS = [
     "Write two sentences about the sea.",
@@ -207,7 +208,7 @@ def test_metrics_count_one_request_exactly_and_carry_model_and_strategy_labels(s
 def tiny_queue_server(model_dir, tmp_path_factory):
     """The same models with one running sequence and one waiting slot."""
     repository = tmp_path_factory.mktemp("repo") / "model_repository"
-    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository, symlinks=True)
+    shutil.copytree(MODEL_REPOSITORY, repository, symlinks=True)
     config = repository / "llm" / "config.pbtxt"
     text = config.read_text().replace("max_batch_size: 32", "max_batch_size: 1")
     text = text.replace('key: "max_queue_size" value: { string_value: "256" }',

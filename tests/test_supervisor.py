@@ -15,8 +15,10 @@ import urllib.request
 
 import pytest
 
-from scripts.supervisor import Supervisor, python_models
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY, PROJECT_ROOT, Ports, build_parser, openai_command
+from scripts.launcher.supervisor import Supervisor, python_models
+from scripts.launcher.processes import Ports
+from scripts.launcher.triton_server import build_parser, openai_command
+from scripts.paths import MODEL_REPOSITORY, PROJECT_ROOT
 
 
 def stand_in(started: list):
@@ -57,7 +59,7 @@ def test_a_stop_before_start_starts_nothing():
 
 
 def test_the_python_models_of_the_repository_are_watched():
-    assert python_models(DEFAULT_MODEL_REPOSITORY) == ["ensemble", "ensemble_unary", "llm"]
+    assert python_models(MODEL_REPOSITORY) == ["ensemble", "ensemble_unary", "llm"]
 
 
 # --- the OpenAI-compatible API that `make serve` runs beside the server, with a stand-in tritonserver ---
@@ -84,7 +86,7 @@ def get(url: str) -> tuple[int | None, dict]:
 @pytest.mark.parametrize("supervised", [False, True])
 def test_the_serve_command_runs_the_openai_api_beside_the_server_and_stops_it(tmp_path, supervised):
     ports, health_port, api_port = Ports.free(), Ports.free().http, Ports.free().http
-    command = [sys.executable, "-m", "scripts.triton_server", "--tritonserver", stand_in_tritonserver(tmp_path),
+    command = [sys.executable, "-m", "scripts.launcher.triton_server", "--tritonserver", stand_in_tritonserver(tmp_path),
                "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
                "--health-port", str(health_port), "--openai-port", str(api_port)]
     # A session of its own: whatever the command leaves behind is killed at the end, after the checks.

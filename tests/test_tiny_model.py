@@ -1,5 +1,5 @@
 """A model without a chat template, end to end: a tiny randomly initialised Llama whose tokenizer adds a BOS token,
-exported by `scripts.export_onnx` and served by a real tritonserver. Raw prompts must reach the model with the BOS,
+exported by `scripts.prepare.export_onnx` and served by a real tritonserver. Raw prompts must reach the model with the BOS,
 whether or not the request asks for the (missing) chat template."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.tokenization import PromptTokenizer
-from scripts.llm_client import GenerateClient
-from scripts.triton_server import PROJECT_ROOT, running_server
+from scripts.clients.llm_client import GenerateClient
+from scripts.launcher.triton_server import running_server
+from scripts.paths import PROJECT_ROOT
 
 BOS = "<|endoftext|>"
 PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
@@ -48,7 +49,7 @@ def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("tiny_export")
-    command = [sys.executable, "-m", "scripts.export_onnx", "--source", str(tiny_model_dir), "--output", str(output)]
+    command = [sys.executable, "-m", "scripts.prepare.export_onnx", "--source", str(tiny_model_dir), "--output", str(output)]
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return output

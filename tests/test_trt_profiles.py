@@ -9,11 +9,11 @@ import re
 import pytest
 
 from python_backend.runtime.trt_profiles import DecoderLimits, decode_point, optimization_profiles, prefill_point
-from scripts.triton_server import DEFAULT_MODEL_REPOSITORY
+from scripts.paths import MODEL_REPOSITORY
 
 
 def config_limits(decoder) -> DecoderLimits:
-    text = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    text = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
 
     def parameter(key):
         return int(re.search(rf'key: "{key}" value: {{ string_value: "(\d+)" }}', text).group(1))

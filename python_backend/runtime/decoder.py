@@ -25,6 +25,16 @@ class RuntimeUnavailableError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ServingLimits:
+    """The `llm` model config's limits that a runtime must serve: an engine's profiles cover them, a decoder's
+    buffers are sized by them."""
+
+    max_batch_size: int
+    max_prefill_tokens: int
+    max_context_length: int
+
+
+@dataclass(frozen=True)
 class CacheShape:
     num_layers: int
     num_kv_heads: int

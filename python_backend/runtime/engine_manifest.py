@@ -8,7 +8,7 @@ a request brings it. The manifest records what the engine was built with and for
 in one message, everything that does not fit and how to fix it (rebuild with ``make engine``).
 
 The ONNX file's fingerprint is its size and the sha256 of the ``.onnx`` file itself (the graph, a few MB), not of
-its external weights (hundreds of MB); the export's mark file (scripts/build_marks.py), recorded beside it, changes
+its external weights (hundreds of MB); the export's mark file (scripts/prepare/build_marks.py), recorded beside it, changes
 whenever the export or variant is made again from other inputs.
 
 Plain code with unit tests (tests/test_engine_manifest.py): nothing here needs TensorRT or a GPU.
@@ -24,13 +24,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from python_backend.runtime.decoder import RuntimeUnavailableError
+from python_backend.runtime.decoder import RuntimeUnavailableError, ServingLimits
 from python_backend.runtime.trt_profiles import DecoderLimits, ShapeRange
 
 MANIFEST_FORMAT = 1
 ENGINE_FILE = "tensorrt/model.plan"  # inside an exported model folder, beside onnx/model.onnx
-REBUILD_HINT = "rebuild the engine with `make engine` (python -m scripts.build_engine)"
-# The mark files an export or a weights variant writes last (scripts/build_marks.py), read from the model folder.
+REBUILD_HINT = "rebuild the engine with `make engine` (python -m scripts.prepare.build_engine)"
+# The mark files an export or a weights variant writes last (scripts/prepare/build_marks.py), read from the model folder.
 MODEL_MARKS = ("export_complete.json", "quantize_complete.json")
 
 Profile = dict[str, ShapeRange]
@@ -39,15 +39,6 @@ _INT_LIST = re.compile(r"\[[\d,\s]*\]")
 
 class EngineMismatchError(RuntimeUnavailableError):
     """The engine cannot serve this configuration on this machine (or has no readable manifest)."""
-
-
-@dataclass(frozen=True)
-class ServingLimits:
-    """The `llm` model config's limits that an engine's profiles must cover."""
-
-    max_batch_size: int
-    max_prefill_tokens: int
-    max_context_length: int
 
 
 LIMIT_NAMES = tuple(field.name for field in dataclasses.fields(ServingLimits))
@@ -126,7 +117,7 @@ def load(engine_path: str | os.PathLike) -> EngineManifest:
     engine, path = Path(engine_path), manifest_path(engine_path)
     if not engine.is_file():
         raise EngineMismatchError(f"no TensorRT engine at {engine}: build it with `make engine` "
-                                  f"(python -m scripts.build_engine)")
+                                  f"(python -m scripts.prepare.build_engine)")
     if not path.is_file():
         raise EngineMismatchError(f"the TensorRT engine {engine} has no manifest {path} (the build writes it "
                                   f"last, so the build may have stopped half-way); {REBUILD_HINT}")

@@ -5,7 +5,7 @@
 - ``onnxruntime-cuda``: the CUDA execution provider, the cache in torch CUDA tensors;
 - ``onnxruntime-tensorrt``: the TensorRT execution provider (FP16 unless ``precision: fp32``, engine and timing
   cache on disk, optimization profiles from the config's limits), the cache in torch CUDA tensors;
-- ``tensorrt``: a serialized TensorRT engine built by ``make engine`` (scripts/build_engine.py), run with
+- ``tensorrt``: a serialized TensorRT engine built by ``make engine`` (scripts/prepare/build_engine.py), run with
   ``execute_async_v3`` on torch's CUDA stream.
 
 A runtime that cannot run here fails the model's load with a RuntimeUnavailableError naming what is missing; only
@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from python_backend.runtime.decoder import RuntimeUnavailableError, TorchTensors
-from python_backend.runtime.engine_manifest import ENGINE_FILE, ServingLimits
+from python_backend.runtime.decoder import RuntimeUnavailableError, ServingLimits, TorchTensors
+from python_backend.runtime.engine_manifest import ENGINE_FILE
 from python_backend.runtime.trt_profiles import DecoderLimits
 
 RUNTIMES = ("onnxruntime", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt")

@@ -1,6 +1,6 @@
 """One forward pass of an ONNX causal decoder with a KV cache, on onnxruntime, the cache in host memory.
 
-The graph's interface (what ``scripts/export_onnx.py`` writes, and what Hugging Face's ONNX exports use):
+The graph's interface (what ``scripts/prepare/export_onnx.py`` writes, and what Hugging Face's ONNX exports use):
 inputs ``input_ids``, ``attention_mask``, ``position_ids`` (int64) and ``past_key_values.{i}.key/.value``
 ([batch, kv_heads, past, head_dim]); outputs ``logits`` and ``present.{i}.key/.value``.
 The device path (the cache in torch tensors, bound to onnxruntime's IO binding) is onnx_device_decoder.py.

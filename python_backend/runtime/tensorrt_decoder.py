@@ -1,6 +1,6 @@
 """One forward pass of the exported decoder on a TensorRT engine, its KV cache in torch tensors on one GPU.
 
-The engine (scripts/build_engine.py) has two optimization profiles (python_backend/runtime/trt_profiles.py): 0 tuned
+The engine (scripts/prepare/build_engine.py) has two optimization profiles (python_backend/runtime/trt_profiles.py): 0 tuned
 for decode steps, 1 for prefills. An execution context works in one profile at a time, so the decoder keeps one
 context per profile, created and bound once. Each call sets the inputs' shapes and addresses, allocates the outputs
 as torch tensors of the shapes TensorRT infers, and runs uploads and TensorRT's kernels on the decoder's own torch

@@ -14,13 +14,6 @@ from python_backend.serving.detokenizer import Decode, IncrementalDetokenizer
 from python_backend.serving.periodic import Periodic
 from python_backend.serving.preprocessing import PreparedRequest
 
-# The ensemble's inputs, passed on to preprocessing as they came.
-USER_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "logit_bias_ids", "logit_bias_values", "end_id",
-               "apply_chat_template", "input_ids", "stop_words", "exclude_input_in_output", "return_num_input_tokens",
-               "return_num_output_tokens", "return_log_probs", "num_top_log_probs")
-
-
 class LlmChunk(NamedTuple):
     """One response of the llm model: new token ids, whether it is the last, and, when asked for, per token its
     log-probability and the most likely tokens' (ids and values, one row per token)."""

@@ -4,7 +4,7 @@ Triton does not notice when a Python stub process dies: its own readiness endpoi
 requests in flight through a dead stub never end. So each of this project's model instances writes a small
 heartbeat file (its pid, the time, and the engine's progress for the llm model) every half second, into a folder
 that belongs to one tritonserver process. The front model reads the llm model's heartbeat to fail its own requests
-at once when the llm process is gone; the supervisor (scripts/supervisor.py) reads all of them for readiness and
+at once when the llm process is gone; the supervisor (scripts/launcher/supervisor.py) reads all of them for readiness and
 recovery.
 
 A process that is gone (or a zombie) is dead at once; a heartbeat that stopped for ``stale_s`` although the process
@@ -25,6 +25,10 @@ from python_backend.serving.periodic import Periodic
 
 RUNTIME_DIR_ENV = "TRITON_LLM_RUNTIME_DIR"
 HEARTBEAT_INTERVAL_S = 0.5
+# The thresholds every reader judges by (the supervisor and the front model alike), so that both call the same
+# process stalled at the same time.
+STALE_S = 10.0  # a heartbeat older than this, from a live process: stalled (stopped or starved)
+STALL_S = 120.0  # an engine with work and no finished step for this long: stalled
 
 
 def runtime_dir(server_pid: int | None = None) -> Path:
@@ -94,7 +98,7 @@ def judge(instance: str, record: dict, now: float, stale_s: float, stall_s: floa
     return InstanceHealth(instance, pid, "ok")
 
 
-def read_health(folder: Path, model: str | None = None, stale_s: float = 10.0, stall_s: float = 60.0,
+def read_health(folder: Path, model: str | None = None, stale_s: float = STALE_S, stall_s: float = STALL_S,
                 now: float | None = None) -> list[InstanceHealth]:
     """Health of every instance that wrote a heartbeat here (of one model: instance names start with it)."""
     now = time.time() if now is None else now
@@ -122,8 +126,8 @@ class PeerLiveness:
 
     No heartbeat at all means unknown (not loaded yet, or run by another tool): treated as alive."""
 
-    def __init__(self, model: str, folder: Path | None = None, cache_s: float = 0.25, stale_s: float = 30.0,
-                 stall_s: float = 120.0):
+    def __init__(self, model: str, folder: Path | None = None, cache_s: float = 0.25, stale_s: float = STALE_S,
+                 stall_s: float = STALL_S):
         self.model, self.folder = model, folder or runtime_dir()
         self.cache_s, self.stale_s, self.stall_s = cache_s, stale_s, stall_s
         self._checked_at = 0.0

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
 from python_backend.model_files import resolve_model_dir
 from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
-from python_backend.serving.frontend import USER_INPUTS, CancellationWatch, LlmChunk, response_outputs, text_deltas
+from python_backend.serving.frontend import CancellationWatch, LlmChunk, response_outputs, text_deltas
 from python_backend.serving.heartbeat import Heartbeat, PeerLiveness
 from python_backend.serving.preprocessing import Preprocessor
 from python_backend.serving.request_inputs import scalar
@@ -38,7 +38,9 @@ class TritonPythonModel:
             max_stop_strings=int(params["max_stop_strings"]),
             max_stop_string_bytes=int(params["max_stop_string_bytes"]),
         )
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config(args))
+        config = model_config(args)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.input_names = [tensor["name"] for tensor in config["input"]]  # passed on to preprocessing as they came
         self.in_flight = InFlight(int(params["max_concurrent_requests"]))
         self.cancellations = CancellationWatch(_cancel)
         self.cancellations.start()
@@ -55,7 +57,7 @@ class TritonPythonModel:
             tag = bool(request_parameters(request).get("tag_errors", False))
             try:
                 inputs = {}
-                for name in USER_INPUTS + ("stream",):
+                for name in self.input_names:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy().copy()

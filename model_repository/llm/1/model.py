@@ -15,7 +15,8 @@ from python_backend.engine.loop import Engine
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.errors import InvalidRequestError, tagged_message
 from python_backend.model_files import ModelSettings, resolve_model_dir
-from python_backend.runtime.factory import RuntimeSettings, ServingLimits, open_decoder
+from python_backend.runtime.decoder import ServingLimits
+from python_backend.runtime.factory import RuntimeSettings, open_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
 from python_backend.serving.llm_requests import LlmLimits, sequence_from_inputs

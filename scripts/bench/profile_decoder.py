@@ -1,6 +1,6 @@
 """Where a decode step's time goes, by operator type, from onnxruntime's own profiler.
 
-    python -m scripts.profile_decoder build/model build/model-int4 --batch 1
+    python -m scripts.bench.profile_decoder build/model build/model-int4 --batch 1
 
 For each model folder: prefill a prompt of --past tokens (batch --batch), then profile --steps decode steps, and
 print the operators' share of the step time (node kernel time summed by op type; "MatMulNBits" are the quantized

@@ -1,23 +1,22 @@
 """Start and stop the real `tritonserver` that PyPI's `nvidia-pytriton` wheel ships, on CPU.
 
-    python -m scripts.triton_server --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003
+    python -m scripts.launcher.triton_server --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003
 
 Used by `make serve` (foreground, stops on Ctrl-C / SIGTERM), the demo and the test fixtures. Run as a command it
-supervises the server (scripts/supervisor.py): readiness that sees dead model processes on the health port, and
+supervises the server (scripts/launcher/supervisor.py): readiness that sees dead model processes on the health port, and
 recovery without a person; `--no-supervise` runs tritonserver alone. `--tritonserver PATH` runs another build
 (NVIDIA's container) with its own backends and environment. Beside the server it runs the OpenAI-compatible API
-(scripts/openai_server.py) on `--openai-port` (9000), pointed at the server's gRPC port and, when supervised, at the
+(scripts/launcher/openai_server.py) on `--openai-port` (9000), pointed at the server's gRPC port and, when supervised, at the
 supervisor's readiness; `--no-openai` leaves it out. It stops with the server.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -25,16 +24,15 @@ import threading
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
+from scripts.launcher.processes import Ports, stop, terminate
+from scripts.launcher.render_model_repository import repository_for
+from scripts.launcher.supervisor import Supervisor, python_models, serve_health
+from scripts.paths import MODEL_REPOSITORY, PROJECT_ROOT
 
 
 def _pytriton_dir() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("tritonserver comes from the `nvidia-pytriton` package: run `make venv`")
@@ -63,23 +61,6 @@ def server_environment() -> dict[str, str]:
     ]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
     return env
-
-
-@dataclass(frozen=True)
-class Ports:
-    http: int = 8000
-    grpc: int = 8001
-    metrics: int = 8002
-
-    @classmethod
-    def free(cls) -> "Ports":
-        sockets = [socket.socket() for _ in range(3)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in sockets]
-        for s in sockets:
-            s.close()
-        return cls(*ports)
 
 
 def server_command(
@@ -131,48 +112,9 @@ def wait_until_ready(process: subprocess.Popen, ports: Ports, timeout_s: float, 
     raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s ({url})")
 
 
-def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
-    """SIGTERM, then SIGKILL after timeout_s. A killed tritonserver can leave its Python stubs running (seen: an
-    orphaned llm stub holding 600 MB) and their shared memory behind: both are removed."""
-    if process.poll() is None:
-        stubs = stub_processes(process.pid)
-        terminate(process, timeout_s)
-        for pid, regions in stubs.items():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-            for region in regions:
-                Path("/dev/shm", region).unlink(missing_ok=True)
-
-
-def terminate(process: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after timeout_s."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def stub_processes(server_pid: int) -> dict[int, list[str]]:
-    """A server's Python stub processes -> their shared-memory regions (each stub's command line names its own)."""
-    stubs = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-            status = (cmdline.parent / "status").read_text()
-        except OSError:
-            continue
-        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-        if parent == str(server_pid) and args and args[0].endswith(b"triton_python_backend_stub"):
-            stubs[int(cmdline.parent.name)] = [a.decode() for a in args
-                                                if a.startswith(b"triton_python_backend_shm_region")]
-    return stubs
-
-
 @contextmanager
 def running_server(
-    model_repository: Path = DEFAULT_MODEL_REPOSITORY,
+    model_repository: Path = MODEL_REPOSITORY,
     ports: Ports | None = None,
     log_path: Path | None = None,
     ready_timeout_s: float = 180,
@@ -203,9 +145,9 @@ def all_models(model_repository: Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run tritonserver in the foreground with this project's models.")
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--model-repository", type=Path, default=MODEL_REPOSITORY)
     parser.add_argument("--runtime", help="the llm model's runtime (onnxruntime-cuda, onnxruntime-tensorrt, tensorrt): "
-                        "serves a copy of the repository rendered for it (scripts/render_model_repository.py)")
+                        "serves a copy of the repository rendered for it (scripts/launcher/render_model_repository.py)")
     parser.add_argument("--address", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -222,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.runtime:
-        from scripts.render_model_repository import repository_for
-
         args.model_repository = repository_for(args.runtime, source=args.model_repository)
         print(f"runtime {args.runtime}: serving {args.model_repository}", flush=True)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
@@ -246,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 def openai_command(args: argparse.Namespace) -> list[str]:
     """The OpenAI-compatible API beside the server: its gRPC port, and the supervisor's readiness when supervised."""
     local = _local_address(args.address)
-    command = [sys.executable, "-m", "scripts.openai_server", "--triton-url", f"{local}:{args.grpc_port}",
+    command = [sys.executable, "-m", "scripts.launcher.openai_server", "--triton-url", f"{local}:{args.grpc_port}",
                "--host", args.address, "--port", str(args.openai_port)]
     if not args.no_supervise:
         command += ["--health-url", f"http://{local}:{args.health_port}/health/ready"]
@@ -265,8 +205,6 @@ def _local_address(address: str) -> str:
 
 
 def _supervise(args, ports: Ports, env: dict[str, str]) -> int:
-    from scripts.supervisor import Supervisor, python_models, serve_health
-
     models = all_models(args.model_repository)
     command = server_command(args.model_repository, ports, address=args.address, explicit_models=models,
                              extra_args=args.extra, binary=args.tritonserver)

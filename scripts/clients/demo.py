@@ -1,22 +1,22 @@
 """The main job: serve the exported model with a real tritonserver, send the demo prompts concurrently, print
 each answer and a summary, stop the server. Exits non-zero on any failure.
 
-    python -m scripts.demo [--protocol grpc] [--concurrency 16]
+    python -m scripts.clients.demo [--protocol grpc] [--concurrency 16]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from python_backend.model_files import MODEL_DIR_ENV, ModelSettings
-from scripts.client import load_requests, run, summary
-from scripts.llm_client import PROTOCOLS, make_client
-from scripts.triton_server import PROJECT_ROOT, running_server
+from python_backend.model_files import ModelSettings
+from scripts.clients.client import load_requests, run, summary
+from scripts.clients.llm_client import PROTOCOLS, make_client
+from scripts.launcher.triton_server import running_server
+from scripts.paths import BUILD_DIR, default_model_dir
 
-DEMO_PROMPTS = PROJECT_ROOT / "scripts" / "demo_prompts.jsonl"
+DEMO_PROMPTS = Path(__file__).resolve().parent / "demo_prompts.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=DEMO_PROMPTS)
     parser.add_argument("--protocol", choices=PROTOCOLS, default="http")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--server-log", type=Path, default=PROJECT_ROOT / "build" / "demo-server.log")
+    parser.add_argument("--server-log", type=Path, default=BUILD_DIR / "demo-server.log")
     args = parser.parse_args(argv)
     requests = load_requests(args.prompts, default_max_tokens=64)
     args.server_log.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"  -> {record['text_output']}")
             print(f"  ({record['output_tokens']} tokens, {record['latency_s']:.2f} s)")
-    settings = ModelSettings.load(os.environ.get(MODEL_DIR_ENV, PROJECT_ROOT / "build" / "model"))
+    settings = ModelSettings.load(default_model_dir())
     print("\n" + summary(records, wall_s) + f"; model {settings.model_name}, {settings.quantization} weights")
     return 1 if any("error" in r for r in records) else 0
 

@@ -18,10 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtests.workload import DEFAULT_PROMPTS as LOAD_TEST_PROMPTS
+from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.loop import generate
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE
+from python_backend.runtime.onnx_decoder import OnnxDecoder
+from python_backend.serving.tokenization import PromptTokenizer
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-LOAD_TEST_PROMPTS = PROJECT_ROOT / "loadtests" / "prompts.jsonl"
 GREEDY_REFERENCE_FILE = "greedy_reference.json"
 GREEDY_TOKENS = 64
 LOGIT_PROMPTS = [
@@ -32,7 +37,7 @@ LOGIT_PROMPTS = [
 ]
 DECODE_STEPS_CHECKED = 4
 # What `make test` holds each variant's report to: (max |Δ logits|, share of prompts greedy-identical over
-# GREEDY_TOKENS). Set from the measured reports (README, "Quantized decoders"), with a margin for other CPUs.
+# GREEDY_TOKENS). Set from the measured reports (docs/models.md), with a margin for other CPUs.
 THRESHOLDS = {
     "fp32": (1e-3, 0.95),
     "int4": (1e-3, 0.95),  # measured 9.9e-5, 42 of 42
@@ -63,7 +68,6 @@ def max_logit_difference(model, decoder, prompts: list[list[int]], decode_steps:
     prefill and decode_steps steps fed with PyTorch's greedy tokens."""
     import torch
 
-    from python_backend.engine.kv_batch import KVBatch
 
     batch, onnx_logits, _ = KVBatch.prefill(decoder, prompts)
     ids = np.zeros_like(batch.attention_mask)
@@ -117,9 +121,6 @@ def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[li
 
 
 def engine_greedy(decoder, prompts: list[list[int]]) -> list[list[int]]:
-    from python_backend.engine.loop import generate
-    from python_backend.engine.sampling import SamplingParams
-    from python_backend.engine.sequence import Sequence
 
     params = SamplingParams(max_tokens=GREEDY_TOKENS)  # no end_ids: EOS does not stop the comparison
     sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
@@ -139,8 +140,6 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
 
 def measure(fp32_dir: Path, model_dir: Path, model=None) -> dict:
     """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and greedy cache)."""
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
-    from python_backend.serving.tokenization import PromptTokenizer
 
     settings = json.loads((fp32_dir / SETTINGS_FILE).read_text())
     model = model if model is not None else load_reference_model(settings["hf_dir"])

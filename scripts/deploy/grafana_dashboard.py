@@ -1,6 +1,6 @@
 """The Grafana dashboard for the Triton LLM server, as provisioned JSON (deploy/grafana/dashboards/triton-llm.json).
 
-    python -m scripts.grafana_dashboard          # writes deploy/grafana/dashboards/triton-llm.json
+    python -m scripts.deploy.grafana_dashboard          # writes deploy/grafana/dashboards/triton-llm.json
 
 Every query reads either a recording rule of deploy/prometheus/rules.yml or a metric that Triton's metrics port or
 the supervisor's /metrics serves; tests/test_grafana_dashboard.py keeps the JSON in step with this file and
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-OUTPUT = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "triton-llm.json"
+from scripts.paths import PROJECT_ROOT
+
+OUTPUT = PROJECT_ROOT / "deploy" / "grafana" / "dashboards" / "triton-llm.json"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 WIDTH, HEIGHT = 12, 8
 

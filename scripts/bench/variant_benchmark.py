@@ -1,8 +1,8 @@
 """The quantized variants side by side through the real server, one run, the same workload for each.
 
-    python -m scripts.variant_benchmark --variants fp32,int4,int4-fast,int8,fp16     (make benchmark runs it too)
+    python -m scripts.bench.variant_benchmark --variants fp32,int4,int4-fast,int8,fp16     (make benchmark runs it too)
 
-For each variant a tritonserver serves its folder (scripts/quantize.py; fp32 is the export itself), continuous
+For each variant a tritonserver serves its folder (scripts/prepare/quantize.py; fp32 is the export itself), continuous
 strategy. Columns: output tok/s of SINGLE_STREAM requests sent one at a time; output tok/s, TTFT p50/p95 of all N
 sent at once (median of --repeats runs); resident memory of the llm model's process after the runs; KV-cache bytes
 per token; model file size; greedy agreement with fp32 PyTorch from the folder's parity report.
@@ -17,8 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, PARITY_REPORT_FILE
-from scripts.quantize import QUANT_CHOICES, variant_dir
-from scripts.triton_server import PROJECT_ROOT, running_server
+from python_backend.runtime.onnx_decoder import file_cache_shape
+from scripts.bench.workload import median_run, server_row, through_server, workload
+from scripts.launcher.triton_server import running_server
+from scripts.paths import BUILD_DIR, EXPORT_DIR
+from scripts.prepare.quantize import QUANT_CHOICES, variant_dir
 
 SINGLE_STREAM = 8
 
@@ -55,17 +58,13 @@ def llm_process_rss_mb() -> float:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    from python_backend.runtime.onnx_decoder import file_cache_shape
-
     return file_cache_shape(model_dir / ONNX_FILE).bytes_per_token()
 
 
 def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -> VariantRow:
-    from scripts.benchmark import median_run, server_row, through_server
-
     report = json.loads((model_dir / PARITY_REPORT_FILE).read_text())
     greedy = report.get("greedy_agreement")
-    log_path = PROJECT_ROOT / "build" / f"benchmark-variant-{variant}.log"
+    log_path = BUILD_DIR / f"benchmark-variant-{variant}.log"
     with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())}) as ports:
         grpc = f"127.0.0.1:{ports.grpc}"
         through_server(requests[:2], grpc, concurrent=True)  # warm-up
@@ -110,14 +109,12 @@ def table(rows: list[VariantRow], n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scripts.benchmark import workload
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="fp32,int4,int4-fast,int8,fp16")
-    parser.add_argument("--export-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "build" / "benchmark-variants.json")
+    parser.add_argument("--output", type=Path, default=BUILD_DIR / "benchmark-variants.json")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = set(variants) - set(QUANT_CHOICES)

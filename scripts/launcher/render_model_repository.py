@@ -3,7 +3,7 @@ truth: the llm model's runtime parameters are set, its instance_group becomes KI
 paths relative to the project (model_dir, trt_cache_dir, engine_path) become absolute, since the copy lives
 elsewhere. Everything else is copied as it is (symlinks kept).
 
-    python -m scripts.render_model_repository --runtime tensorrt --output build/model_repository-tensorrt
+    python -m scripts.launcher.render_model_repository --runtime tensorrt --output build/model_repository-tensorrt
     make serve RUNTIME=tensorrt     # does this, then serves the copy
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2
 
 from python_backend.runtime.factory import GPU_RUNTIMES, RUNTIMES, RuntimeSettings
-from scripts.model_config import MODEL_REPOSITORY, read_config, write_config
-from scripts.triton_server import PROJECT_ROOT
+from scripts.launcher.model_config import read_config, write_config
+from scripts.paths import MODEL_REPOSITORY, PROJECT_ROOT
 
 PATH_PARAMETERS = ("model_dir", "trt_cache_dir", "engine_path")
 
@@ -35,7 +35,7 @@ def render(target: Path, runtime: str, source: Path = MODEL_REPOSITORY, project_
         if config.name == "llm":
             _set_runtime(config, runtime, io_binding, precision, engine_path, gpu_instances)
         write_config(config, config_path, header=(
-            f"# Rendered from {source / config_path.parent.name / 'config.pbtxt'} by scripts/render_model_repository.py "
+            f"# Rendered from {source / config_path.parent.name / 'config.pbtxt'} by scripts/launcher/render_model_repository.py "
             f"(runtime {runtime}): edit that file, not this one.\n"))
     return target
 

@@ -1,8 +1,8 @@
 """KV-cache memory planner: bytes per token and the largest batch that fits a memory budget.
 
-    python -m scripts.plan_memory                                    # the seed's claim: LLaMA-7B on an A100-80GB
-    python -m scripts.plan_memory --model smollm2-135m --memory-gb 24 --weight-dtype fp32 --kv-dtype fp32
-    python -m scripts.plan_memory --model path/to/config.json --memory-gb 80 --context 4096
+    python -m scripts.bench.plan_memory                                    # LLaMA-7B on an A100-80GB, fp16
+    python -m scripts.bench.plan_memory --model smollm2-135m --memory-gb 24 --weight-dtype fp32 --kv-dtype fp32
+    python -m scripts.bench.plan_memory --model path/to/config.json --memory-gb 80 --context 4096
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Batching strategies side by side on one mixed workload, through the real server, with in-process baselines.
 
-    python -m scripts.benchmark                  # 32 concurrent greedy requests (about 5 minutes on 2 cores)
-    python -m scripts.benchmark --requests 8 --skip-sequential
+    python -m scripts.bench.benchmark                  # 32 concurrent greedy requests (about 5 minutes on 2 cores)
+    python -m scripts.bench.benchmark --requests 8 --skip-sequential
 
 Workload: N prompts of 5-60 tokens from loadtests/prompts.jsonl (English, Chinese, code, emoji; raw text, no chat
 template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
@@ -20,7 +20,7 @@ template), max_tokens cycling 16/32/64/128, greedy, stopping at EOS. Rows:
 Batched rows show the median of --repeats runs (by output tokens/s).
 Also printed: the raw onnxruntime decode speed at batch N (one decode step, past length 128): the ceiling here.
 With --variants (make benchmark gives all): the weight variants side by side through the server
-(scripts/variant_benchmark.py).
+(scripts/bench/variant_benchmark.py).
 """
 
 from __future__ import annotations
@@ -32,65 +32,33 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from scripts.llm_client import Completion, GrpcStreamClient
-from scripts.model_control import SERVED_MODELS, reload_llm
+from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.loop import generate
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
+from python_backend.model_files import ONNX_FILE, ModelSettings
 from python_backend.runtime.factory import RUNTIMES
-from scripts.render_model_repository import repository_for
-from scripts.openai_server import running_openai_api
-from scripts.server_metrics import read_metrics
-from scripts.triton_server import PROJECT_ROOT, running_server
-
-PROMPTS = PROJECT_ROOT / "loadtests" / "prompts.jsonl"
-MAX_TOKENS_CYCLE = (16, 32, 64, 128)
-
-
-@dataclass
-class Row:
-    runner: str
-    output_tokens: int
-    wall_s: float
-    ttft_p50: float | None = None
-    ttft_p95: float | None = None
-    latency_p50: float | None = None
-    latency_p95: float | None = None
-    padding_waste: float | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s
-
-
-def percentile(values, q):
-    return float(np.percentile(values, q)) if values else None
-
-
-def workload(n: int) -> list[dict]:
-    rows = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = [r for r in rows if 5 <= r["prompt_tokens"] <= 60]
-    if len(rows) < n:
-        rows = (rows * (n // len(rows) + 1))
-    return [{"text_input": r["text_input"], "max_tokens": MAX_TOKENS_CYCLE[i % 4], "apply_chat_template": False}
-            for i, r in enumerate(rows[:n])]
-
-
-def log(message: str) -> None:
-    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
-
-
-def median_run(runs: list[Row]) -> Row:
-    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+from python_backend.runtime.onnx_decoder import OnnxDecoder
+from python_backend.serving.tokenization import PromptTokenizer
+from scripts.bench import variant_benchmark
+from scripts.bench.workload import Row, log, median_run, percentile, server_row, through_server, workload
+from scripts.clients.llm_client import Completion, GrpcStreamClient
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.render_model_repository import repository_for
+from scripts.launcher.server_metrics import read_metrics
+from scripts.launcher.triton_server import running_server
+from scripts.paths import BUILD_DIR, EXPORT_DIR, default_model_dir
 
 
 def plain_static_batch(decoder, sequences) -> float:
     """The textbook static batch, without the engine: left-pad every prompt to the longest, prefill once, then
     decode the whole batch (finished rows included) until every row has finished. Greedy. Returns padding waste."""
-    from python_backend.engine.kv_batch import KVBatch
-
     batch, logits, wasted = KVBatch.prefill(decoder, [s.prompt_ids for s in sequences])
     computed = batch.size * batch.cache_len
     while True:
@@ -106,13 +74,6 @@ def plain_static_batch(decoder, sequences) -> float:
 
 
 def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
-    from python_backend.engine.loop import generate
-    from python_backend.engine.sampling import SamplingParams
-    from python_backend.engine.sequence import Sequence
-    from python_backend.model_files import ONNX_FILE, ModelSettings
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
-    from python_backend.serving.tokenization import PromptTokenizer
-
     tokenizer, decoder = PromptTokenizer(model_dir), OnnxDecoder(model_dir / ONNX_FILE)
     eos = ModelSettings.load(model_dir).eos_token_ids
 
@@ -153,8 +114,6 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
         batched(f"engine without server, {strategy}",
                 lambda seqs, strategy=strategy: generate(decoder, seqs, strategy=strategy).padding_waste())
     # Raw decode: one step for a batch of N at past length 128.
-    from python_backend.engine.kv_batch import KVBatch
-
     batch, _, _ = KVBatch.prefill(decoder, [[1] * 128] * len(requests))
     tokens = np.ones(len(requests), np.int64)
     times = []
@@ -164,17 +123,6 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
         times.append(time.perf_counter() - t)
     raw = len(requests) / statistics.median(times[1:])
     return rows, raw, [len(ids) for ids in answers_alone]
-
-
-def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tuple[list[Completion], float]:
-    client = GrpcStreamClient(grpc_url)
-    started = time.perf_counter()
-    if concurrent:
-        with ThreadPoolExecutor(len(requests)) as pool:
-            results = list(pool.map(client.complete, requests))
-    else:
-        results = [client.complete(r) for r in requests]
-    return results, time.perf_counter() - started
 
 
 def openai_stream(client, model: str, request: dict) -> Completion:
@@ -247,7 +195,7 @@ def openai_front_rows(requests: list[dict], grpc: str, model_dir: Path, repeats:
     """Paired runs, gRPC streaming then the OpenAI front, on the continuous server, for output tokens/s; then the TTFT
     the front adds, under the same load and alone. Returns the two median rows and the lines to print."""
     model = json.loads((model_dir / "llm_settings.json").read_text())["model_name"]
-    log_path = PROJECT_ROOT / "build" / "benchmark-openai.log"
+    log_path = BUILD_DIR / "benchmark-openai.log"
     with running_openai_api(grpc, model_dir, log_path) as url:
         base_url = f"{url}/v1"
         through_openai(requests[:2], base_url, model)  # warm-up
@@ -307,13 +255,6 @@ def cpu_line(before: dict[str, float], after: dict[str, float], wall: float) -> 
             f"{wall * os.cpu_count():.1f} CPU-seconds the machine had")
 
 
-def server_row(name: str, results: list[Completion], wall: float, waste: float | None) -> Row:
-    ttft = [r.first_token_s for r in results if r.first_token_s is not None]
-    latency = [r.latency_s for r in results]
-    return Row(name, sum(r.output_tokens for r in results), wall, percentile(ttft, 50), percentile(ttft, 95),
-               percentile(latency, 50), percentile(latency, 95), waste)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
@@ -325,17 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-openai", action="store_true", help="skip the OpenAI front's paired runs")
     parser.add_argument("--only-openai", action="store_true",
                         help="only the OpenAI front's paired runs (no in-process rows, no other strategies)")
-    parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--model-dir", type=Path, default=default_model_dir())
     parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES,
                         help="the server's llm runtime (the in-process baselines stay on onnxruntime's CPU provider)")
     parser.add_argument("--variants", help="also the weight variants side by side, e.g. fp32,int4,int8 "
-                                           "(scripts/variant_benchmark.py), each served from its own folder")
-    parser.add_argument("--export-dir", type=Path, default=PROJECT_ROOT / "build" / "model",
+                                           "(scripts/bench/variant_benchmark.py), each served from its own folder")
+    parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR,
                         help="the fp32 export, beside which the variants' folders lie")
     parser.add_argument("--output", type=Path, help="default: build/benchmark.json (--only-openai: "
                                                      "build/benchmark-openai.json)")
     args = parser.parse_args(argv)
-    args.output = args.output or PROJECT_ROOT / "build" / ("benchmark-openai.json" if args.only_openai
+    args.output = args.output or BUILD_DIR / ("benchmark-openai.json" if args.only_openai
                                                            else "benchmark.json")
     requests = workload(args.requests)
     if args.only_openai:
@@ -344,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows, raw_decode, lengths_alone = in_process(requests, args.model_dir, args.repeats)
     front_line = None
-    log_path = PROJECT_ROOT / "build" / "benchmark-server.log"
+    log_path = BUILD_DIR / "benchmark-server.log"
     with running_server(repository_for(args.runtime), log_path=log_path, explicit_models=SERVED_MODELS) as ports:
         http, grpc = f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}"
         for strategy in filter(None, args.strategies.split(",")):
@@ -379,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, raw_decode, len(requests))
     variant_rows = []
     if args.variants:
-        from scripts import variant_benchmark
-
         log(f"weight variants: {args.variants}")
         variant_rows = variant_benchmark.run(args.variants.split(","), args.export_dir, requests, args.repeats)
         print("\n" + variant_benchmark.table(variant_rows, len(requests)))

@@ -1,8 +1,8 @@
 """Run the OpenAI-compatible API (openai_api/) in front of a running tritonserver.
 
-    python -m scripts.openai_server --triton-url 127.0.0.1:8001 --model-dir build/model --port 9000
+    python -m scripts.launcher.openai_server --triton-url 127.0.0.1:8001 --model-dir build/model --port 9000
 
-`make serve` starts it beside tritonserver (scripts/triton_server.py, `--openai-port`, `--no-openai`). Stops on
+`make serve` starts it beside tritonserver (scripts/launcher/triton_server.py, `--openai-port`, `--no-openai`). Stops on
 Ctrl-C / SIGTERM (open streams get a few seconds)."""
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from python_backend.model_files import MODEL_DIR_ENV
+import uvicorn
+
+from scripts.launcher.processes import Ports, terminate
+from scripts.paths import PROJECT_ROOT, default_model_dir
 
 DEFAULT_PORT = 9000
 
@@ -24,8 +27,8 @@ DEFAULT_PORT = 9000
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="OpenAI-compatible HTTP API in front of Triton's ensemble model.")
     parser.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver's gRPC host:port")
-    parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(MODEL_DIR_ENV, "build/model")),
-                        help=f"the exported model folder: tokenizer, chat template (default: ${MODEL_DIR_ENV} or "
+    parser.add_argument("--model-dir", type=Path, default=default_model_dir(),
+                        help="the exported model folder: tokenizer, chat template (default: $TRITON_LLM_MODEL_DIR or "
                              "build/model)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -42,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise SystemExit("--default-max-tokens must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import uvicorn
-
+    # Imported here: huggingface_hub reads HF_HUB_OFFLINE when it is first imported.
     from openai_api.app import ServiceConfig, create_app
 
     app = create_app(ServiceConfig(triton_url=args.triton_url, model_dir=args.model_dir,
@@ -61,12 +63,10 @@ def running_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_t
                        log_level: str = "info"):
     """This service in a subprocess on a free loopback port, in front of triton_url, until the block ends; yields its
     base URL (http://127.0.0.1:PORT) once /health/ready answers 200. Used by the benchmark, the sweep and the tests."""
-    from scripts.triton_server import PROJECT_ROOT, Ports, terminate
-
     port = Ports.free().http
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "scripts.openai_server", "--triton-url", triton_url,
+        process = subprocess.Popen([sys.executable, "-m", "scripts.launcher.openai_server", "--triton-url", triton_url,
                                     "--model-dir", str(model_dir), "--port", str(port), "--log-level", log_level],
                                    cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:

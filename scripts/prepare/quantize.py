@@ -1,19 +1,19 @@
 """Quantized variants of an exported decoder, each in its own model folder with its own parity report.
 
-    python -m scripts.quantize --quant int4          # build/model -> build/model-int4
+    python -m scripts.prepare.quantize --quant int4          # build/model -> build/model-int4
     make model QUANT=int4                            # the same, after the fp32 export
 
 Variants (weights only; activations, the KV cache and the graph's interface stay fp32):
 - int4: the layer matrices as 4-bit ``MatMulNBits`` (blocks of 32, asymmetric, fp32 compute: accuracy_level 1) on the
   grid the weights came from, plus a per-block residual that makes the product exact for GGUF Q4_1 weights
-  (scripts/block_quantization.py); the tied LM head stays fp32.
+  (scripts/prepare/block_quantization.py); the tied LM head stays fp32.
 - int4-fast: the same int4 layers and an 8-bit LM head, computed with int8 activations (accuracy_level 4): faster,
   no longer exact.
 - int8: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4, LM head
   included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured).
 - fp16: onnxruntime's ``convert_float_to_float16`` (fp32 inputs and outputs kept); for GPUs. Measured here too.
-The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: README, "Quantized
-decoders".
+The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: docs/models.md,
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import onnx  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
-from scripts import block_quantization  # noqa: E402
-from scripts.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
-from scripts.variant_parity import GREEDY_REFERENCE_FILE  # noqa: E402
+from scripts.paths import EXPORT_DIR  # noqa: E402
+from scripts.prepare import block_quantization  # noqa: E402
+from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
+from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
 FORMAT = 1  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
@@ -46,7 +47,7 @@ MS_DOMAIN = "com.microsoft"
 class Recipe:
     name: str
     bits: int | None = None  # None: fp16
-    tool: str = "grid"  # "grid" (scripts/block_quantization.py) or "onnxruntime" (MatMulNBitsQuantizer)
+    tool: str = "grid"  # "grid" (scripts/prepare/block_quantization.py) or "onnxruntime" (MatMulNBitsQuantizer)
     block_size: int = 32
     symmetric: bool = False
     accuracy_level: int = 1
@@ -213,7 +214,7 @@ def fingerprint(source: Path, recipe: Recipe) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quant", required=True, choices=QUANT_CHOICES)
-    parser.add_argument("--source", type=Path, default=Path("build/model"), help="the fp32 export (make model)")
+    parser.add_argument("--source", type=Path, default=EXPORT_DIR, help="the fp32 export (make model)")
     parser.add_argument("--output", type=Path, help="default: <source>-<quant>")
     parser.add_argument("--force", action="store_true", help="build again even if the output is up to date")
     args = parser.parse_args(argv)
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"fp32 is the export itself: {args.source}")
         return 0
     if not (args.source / EXPORT_MARK).is_file():
-        parser.error(f"{args.source} is not a complete export; run `make model` (scripts/export_onnx.py) first")
+        parser.error(f"{args.source} is not a complete export; run `make model` (scripts/prepare/export_onnx.py) first")
     recipe = RECIPES[args.quant]
     output = args.output or variant_dir(args.source, args.quant)
     wanted = fingerprint(args.source, recipe)
@@ -233,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     stats = build_variant(args.source, output, recipe)
     copy_model_files(args.source, output, recipe)
     log(f"{recipe.name}: {stats['model_bytes'] / 1e6:.0f} MB in {time.monotonic() - started:.0f} s; checking parity")
-    from scripts.variant_parity import check_variant
 
     report = check_variant(args.source, output, recipe.name, stats)
     if not report["passed"]:  # the thresholds are the default model's (make test); another model may differ

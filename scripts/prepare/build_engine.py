@@ -1,6 +1,6 @@
 """Builds a TensorRT engine of the exported decoder, for the `llm` model's limits, and writes its manifest beside it.
 
-    python -m scripts.build_engine --model-dir build/model     # -> build/model/tensorrt/model.plan (+ .json)
+    python -m scripts.prepare.build_engine --model-dir build/model     # -> build/model/tensorrt/model.plan (+ .json)
     make engine PRECISION=fp32
 
 It builds on the first visible GPU (CUDA_VISIBLE_DEVICES=N picks another).
@@ -19,7 +19,7 @@ Precisions (--precision):
 INT8 weight-only and FP8 engines need an ONNX graph with Q/DQ (QuantizeLinear/DequantizeLinear) nodes, e.g. from
 NVIDIA TensorRT Model Optimizer, built with --strongly-typed: the network then takes every type from the graph and
 no precision flag is set. This project cannot produce such a graph here (Model Optimizer's calibration needs a GPU),
-and scripts/quantize.py's int4/int8 variants use onnxruntime-only operators (MatMulNBits) that TensorRT does not
+and scripts/prepare/quantize.py's int4/int8 variants use onnxruntime-only operators (MatMulNBits) that TensorRT does not
 parse: build from the fp32 export.
 
 The timing cache (--timing-cache) keeps the kernel timings across builds, which makes a rebuild much faster.
@@ -38,16 +38,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from python_backend.model_files import ONNX_FILE
-from python_backend.runtime.decoder import CacheShape, RuntimeUnavailableError
-from python_backend.runtime.engine_manifest import (ENGINE_FILE, LIMIT_NAMES, EngineManifest, OnnxFingerprint,
-                                                    Profile, ServingLimits, manifest_path)
+from python_backend.runtime.decoder import CacheShape, RuntimeUnavailableError, ServingLimits
+from python_backend.runtime.engine_manifest import (
+    ENGINE_FILE,
+    LIMIT_NAMES,
+    EngineManifest,
+    OnnxFingerprint,
+    Profile,
+    manifest_path,
+)
 from python_backend.runtime.tensorrt_decoder import LOGITS, TOKEN_INPUTS, import_tensorrt
 from python_backend.runtime.trt_profiles import DecoderLimits, optimization_profiles
-from scripts.triton_server import PROJECT_ROOT
+from scripts.launcher.model_config import llm_config, parameter
+from scripts.paths import BUILD_DIR, MODEL_REPOSITORY
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 STRONGLY_TYPED = "strongly-typed"
-DEFAULT_TIMING_CACHE = PROJECT_ROOT / "build" / "tensorrt-timing.cache"
+DEFAULT_TIMING_CACHE = BUILD_DIR / "tensorrt-timing.cache"
 DEFAULT_WORKSPACE_GB = 8.0
 _PAST_KEY = re.compile(r"past_key_values\.(\d+)\.key")
 
@@ -117,8 +124,6 @@ def _check_standard_operators(onnx_path, graph) -> None:
 
 def config_limits(model_repository: str | os.PathLike) -> ServingLimits:
     """max_batch_size, max_prefill_tokens and max_context_length of the `llm` model's config.pbtxt."""
-    from scripts.model_config import llm_config, parameter
-
     path = Path(model_repository) / "llm" / "config.pbtxt"
     if not path.is_file():
         raise BuildError(f"no model config at {path}: --model-repository names the folder that holds llm/")
@@ -174,7 +179,7 @@ def precision_flags(precision: str) -> tuple[tuple[str, ...], tuple[str, ...], t
 def make_plan(model_dir: str | os.PathLike, output: str | os.PathLike | None = None, precision: str = "fp16",
               workspace_gb: float = DEFAULT_WORKSPACE_GB,
               timing_cache: str | os.PathLike | None = DEFAULT_TIMING_CACHE,
-              model_repository: str | os.PathLike = PROJECT_ROOT / "model_repository",
+              model_repository: str | os.PathLike = MODEL_REPOSITORY,
               limits: ServingLimits | None = None) -> BuildPlan:
     """The build of <model_dir>'s ONNX graph; limits, if given, replace the config's (a smaller test engine)."""
     onnx_path = Path(model_dir) / ONNX_FILE
@@ -308,7 +313,7 @@ def _save_timing_cache(config, path: Path | None) -> None:
 def build_engine(model_dir: str | os.PathLike, output: str | os.PathLike | None = None, precision: str = "fp16",
                  workspace_gb: float = DEFAULT_WORKSPACE_GB,
                  timing_cache: str | os.PathLike | None = DEFAULT_TIMING_CACHE,
-                 model_repository: str | os.PathLike = PROJECT_ROOT / "model_repository",
+                 model_repository: str | os.PathLike = MODEL_REPOSITORY,
                  limits: ServingLimits | None = None) -> EngineManifest:
     """Builds and writes the engine and its manifest; returns the manifest."""
     trt = import_tensorrt("building a TensorRT engine")
@@ -332,7 +337,7 @@ def _describe(limits: DecoderLimits) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.build_engine", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.prepare.build_engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, required=True, help="an exported model folder (make model)")
     parser.add_argument("--output", type=Path, help=f"the engine file (default: <model-dir>/{ENGINE_FILE}); its "
@@ -345,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timing-cache", type=Path, default=DEFAULT_TIMING_CACHE,
                         help="read before and written after the build (default: build/tensorrt-timing.cache)")
     parser.add_argument("--no-timing-cache", action="store_true", help="neither read nor write a timing cache")
-    parser.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository",
+    parser.add_argument("--model-repository", type=Path, default=MODEL_REPOSITORY,
                         help="where llm/config.pbtxt, whose limits the engine covers, is (default: model_repository)")
     for name in LIMIT_NAMES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help="default: the llm config's")

@@ -2,8 +2,8 @@
 workload with each runtime, runs alternating so that a noisy machine slows each alike. Prints output tokens/s per
 run, the medians, their ratio to the first runtime, and whether every runtime gave the first one's tokens.
 
-    python -m scripts.runtime_benchmark                                   # onnxruntime vs its IO-binding path, CPU
-    python -m scripts.runtime_benchmark --runtimes onnxruntime,onnxruntime-cuda,tensorrt   # on a GPU machine
+    python -m scripts.bench.runtime_benchmark                                   # onnxruntime vs its IO-binding path, CPU
+    python -m scripts.bench.runtime_benchmark --runtimes onnxruntime,onnxruntime-cuda,tensorrt   # on a GPU machine
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ModelSettings
-from python_backend.runtime.factory import RuntimeSettings, ServingLimits, open_decoder
+from python_backend.runtime.decoder import ServingLimits
+from python_backend.runtime.factory import RuntimeSettings, open_decoder
 from python_backend.serving.tokenization import PromptTokenizer
-from scripts.benchmark import workload
-from scripts.triton_server import PROJECT_ROOT
+from scripts.bench.workload import workload
+from scripts.paths import PROJECT_ROOT, default_model_dir
 
 IO_BINDING = "+io_binding"  # suffix: onnxruntime on the CPU through IO binding, the cache in torch tensors
 
@@ -35,7 +36,7 @@ def settings_for(name: str) -> RuntimeSettings:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runtimes", default=f"onnxruntime,onnxruntime{IO_BINDING}")
-    parser.add_argument("--model-dir", type=Path, default=PROJECT_ROOT / "build" / "model")
+    parser.add_argument("--model-dir", type=Path, default=default_model_dir())
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)

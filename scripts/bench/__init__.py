@@ -1,0 +1,1 @@
+"""Benchmarks and capacity planning: the server under load, the weight variants, the runtimes, one decoder step."""

@@ -1,0 +1,1 @@
+"""Generators of deployment files (the Grafana dashboard) that tests keep in step with the server."""
