@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,23 +16,11 @@ import pytest
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.engine_manifest import EngineManifest, EngineMismatchError, load
-from python_backend.runtime.trt_profiles import optimization_profiles
 from scripts.prepare import build_engine
 from scripts.prepare.build_engine import (BuildError, GraphDims, config_limits, make_manifest, make_plan, precision_flags,
                                   precision_problem, read_graph_dims, write_engine)
 from scripts.paths import MODEL_REPOSITORY, PROJECT_ROOT
-
-
-def limits_in_config_text() -> ServingLimits:
-    """The config's limits read with a regex, independently of scripts/launcher/model_config.py."""
-    text = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-
-    def parameter(key):
-        return int(re.search(rf'key: "{key}" value: {{ string_value: "(\d+)" }}', text).group(1))
-
-    return ServingLimits(max_batch_size=int(re.search(r"^max_batch_size: (\d+)", text, re.M).group(1)),
-                         max_prefill_tokens=parameter("max_prefill_tokens"),
-                         max_context_length=parameter("max_context_length"))
+from tests.helpers import config_limits_from_text
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +84,33 @@ def test_onnxruntime_only_operators_are_refused(tmp_path):
 
 
 def test_limits_come_from_the_llm_config():
-    assert config_limits(MODEL_REPOSITORY) == limits_in_config_text()
+    assert config_limits(MODEL_REPOSITORY) == config_limits_from_text()
 
 
-def test_plan_of_the_real_export(model_dir, hf_config):
+def test_plan_of_the_real_export(model_dir, hf_config, decoder):
     plan = make_plan(model_dir, timing_cache=None)
-    config = limits_in_config_text()
+    config = config_limits_from_text()
     assert (plan.limits.max_batch_size, plan.limits.max_prefill_tokens, plan.limits.max_context_length) == (
         config.max_batch_size, config.max_prefill_tokens, config.max_context_length)
     assert (plan.limits.num_layers, plan.limits.num_kv_heads, plan.limits.head_dim) == (
         hf_config["num_hidden_layers"], hf_config["num_key_value_heads"], hf_config["head_dim"])
-    assert plan.profiles == tuple(optimization_profiles(plan.limits))
+    # Two profiles (decode, prefill), each with a range for every input of the real export that holds the graph's
+    # fixed sizes and reaches the config's limits.
+    graph_inputs = {i.name: i.shape for i in decoder.session.get_inputs()}
+    assert len(plan.profiles) == 2
+    for profile in plan.profiles:
+        assert set(profile) == set(graph_inputs)
+        for name, shapes in profile.items():
+            for axis, size in enumerate(graph_inputs[name]):
+                if isinstance(size, int):
+                    assert shapes.min[axis] == shapes.opt[axis] == shapes.max[axis] == size, (name, axis)
+        assert profile["input_ids"].max == profile["position_ids"].max == (config.max_batch_size,
+                                                                             config.max_prefill_tokens)
+        assert profile["attention_mask"].max == (config.max_batch_size, config.max_context_length)
+        assert profile["past_key_values.0.key"].max == (config.max_batch_size, hf_config["num_key_value_heads"],
+                                                        config.max_context_length - 1, hf_config["head_dim"])
+        assert all(lo == 1 for name in ("input_ids", "attention_mask") for lo in profile[name].min)
+        assert profile["past_key_values.0.value"].min[2] == 0  # a prefill has no past
     assert plan.onnx_path == model_dir / ONNX_FILE
     assert plan.engine_path == model_dir / "tensorrt" / "model.plan"
     assert plan.workspace_bytes == 8 << 30 and plan.timing_cache_path is None
@@ -122,7 +125,7 @@ def test_limits_given_replace_the_configs(model_dir):
 
 
 def test_limits_on_the_command_line_replace_the_configs():
-    config = limits_in_config_text()
+    config = config_limits_from_text()
     args = build_engine.parse_args(["--model-dir", "build/model", "--max-batch-size", "4"])
     assert build_engine.chosen_limits(args) == ServingLimits(4, config.max_prefill_tokens, config.max_context_length)
     assert build_engine.chosen_limits(build_engine.parse_args(["--model-dir", "build/model"])) is None

@@ -1,12 +1,13 @@
 """The engine on the real exported model: the three strategies, joining mid-flight, cancellation, bounds."""
 
+import threading
 import time
 
 import pytest
 
 from python_backend.engine.loop import Engine, QueueFullError, generate
 from python_backend.engine.sampling import SamplingParams
-from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.engine.scheduler import SchedulerConfig, length_sorted_chunks
 from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
 from python_backend.runtime.fault_injection import FaultyDecoder
@@ -23,7 +24,7 @@ def prompts(tokenizer):
 def make(prompts, max_tokens=MAX_TOKENS, **params):
     events = []
     seqs = [
-        Sequence(prompt_ids=p, params=SamplingParams(max_tokens=n, end_ids=(2,), **params),
+        Sequence(prompt_ids=p, params=SamplingParams(**{"max_tokens": n, "end_ids": (2,), **params}),
                  emit=lambda seq, ids, done, _logprobs: events.append((seq.key, list(ids), done)))
         for p, n in zip(prompts, max_tokens)
     ]
@@ -59,7 +60,7 @@ def test_continuous_batching_admits_at_every_step_and_changes_no_answer(decoder,
     eng.step()
     eng.submit(seqs[1])
     eng.step()
-    assert len(eng.running) == 2, "a new request joins the running batch at the next step"
+    assert len(eng.core.running) == 2, "a new request joins the running batch at the next step"
     for seq in seqs[2:]:
         eng.submit(seq)
         eng.step()
@@ -76,7 +77,7 @@ def test_finished_sequences_leave_the_batch_at_once(decoder, prompts):
         eng.submit(seq)
     eng.step()
     eng.step()
-    assert seqs[1].finished and eng.running == [seqs[0]] and eng.batch.size == 1
+    assert seqs[1].finished and eng.core.running == [seqs[0]] and eng.core.batch.size == 1
 
 
 @pytest.mark.parametrize("strategy", ["dynamic", "static"])
@@ -91,13 +92,13 @@ def test_static_waits_for_its_batch_then_keeps_finished_rows(decoder, prompts):
     seqs, _ = make(prompts[:3], [10, 1, 3])
     eng.submit(seqs[0])
     eng.submit(seqs[1])
-    assert not eng.step() and eng.running == [], "static batching waits for static_batch_size requests"
+    assert not eng.step() and eng.core.running == [], "static batching waits for static_batch_size requests"
     eng.submit(seqs[2])
     eng.step()
-    assert seqs[1].finished and len(eng.running) == 3, "a finished row stays until the batch ends"
+    assert seqs[1].finished and len(eng.core.running) == 3, "a finished row stays until the batch ends"
     while eng.step():
         pass
-    assert eng.observer.padding_tokens > 0 and eng.batch is None
+    assert eng.observer.padding_tokens > 0 and eng.core.batch is None
 
 
 def test_static_timeout_starts_a_partial_batch(decoder, prompts):
@@ -106,7 +107,7 @@ def test_static_timeout_starts_a_partial_batch(decoder, prompts):
     eng.submit(seq)
     assert not eng.step(), "a partial batch waits for the timeout"
     seq.arrival -= 61  # as if it had waited past the timeout (no sleeping: the machine's speed must not matter)
-    assert eng.step() and len(eng.running) == 1
+    assert eng.step() and len(eng.core.running) == 1
 
 
 def test_dynamic_runs_groups_and_buckets_by_length(decoder, prompts):
@@ -116,11 +117,11 @@ def test_dynamic_runs_groups_and_buckets_by_length(decoder, prompts):
     for seq in seqs:
         eng.submit(seq)
     eng.step()
-    assert {s.key for s in eng.running} == {seqs[0].key, seqs[2].key}, "one length bucket at a time"
+    assert {s.key for s in eng.core.running} == {seqs[0].key, seqs[2].key}, "one length bucket at a time"
     late, _ = make(prompts[3:4], [4])
     eng.submit(late[0])
     eng.step()
-    assert late[0] not in eng.running, "a dynamic group runs to completion before the next starts"
+    assert late[0] not in eng.core.running, "a dynamic group runs to completion before the next starts"
     while eng.step():
         pass
     assert all(s.finished for s in seqs + late)
@@ -135,7 +136,7 @@ def test_cancel_frees_the_sequence_within_one_step(decoder, prompts):
     eng.step()
     eng.cancel(seqs[0].key)
     eng.step()
-    assert seqs[0].finish_reason == "cancelled" and eng.running == [seqs[1]] and eng.batch.size == 1
+    assert seqs[0].finish_reason == "cancelled" and eng.core.running == [seqs[1]] and eng.core.batch.size == 1
     assert events[-1][0] == seqs[1].key and [e for e in events if e[0] == seqs[0].key][-1][2] is True
 
 
@@ -147,11 +148,11 @@ def test_cancel_of_a_waiting_sequence_and_the_is_cancelled_poll(decoder, prompts
     for seq in seqs:
         eng.submit(seq)
     eng.step()
-    assert eng.running == [seqs[0]] and list(eng.waiting) == [seqs[1]]
+    assert eng.core.running == [seqs[0]] and list(eng.core.waiting) == [seqs[1]]
     eng.cancel(seqs[1].key)
     flag["cancelled"] = True
     eng.step()
-    assert seqs[0].finish_reason == seqs[1].finish_reason == "cancelled" and not eng.waiting
+    assert seqs[0].finish_reason == seqs[1].finish_reason == "cancelled" and not eng.core.waiting
 
 
 def test_the_kv_budget_holds_a_request_back_until_it_fits(decoder, prompts, alone):
@@ -161,12 +162,13 @@ def test_the_kv_budget_holds_a_request_back_until_it_fits(decoder, prompts, alon
     for seq in seqs:
         eng.submit(seq)
     eng.step()
-    assert eng.running == [seqs[0]] and list(eng.waiting) == [seqs[1]], "the second does not fit beside the first"
+    assert eng.core.running == [seqs[0]] and list(eng.core.waiting) == [seqs[1]], \
+        "the second does not fit beside the first"
     while not seqs[0].finished:
-        assert list(eng.waiting) == [seqs[1]]
+        assert list(eng.core.waiting) == [seqs[1]]
         eng.step()
     while eng.step():
-        assert eng.batch is None or eng.batch.size * eng.batch.cache_len <= need_first + 1
+        assert eng.core.batch is None or eng.core.batch.size * eng.core.batch.cache_len <= need_first + 1
     assert [s.output_ids for s in seqs] == alone[:2]
 
 
@@ -209,20 +211,25 @@ def test_engine_thread_serves_submissions(decoder, prompts, alone):
 
 
 def test_stopping_the_engine_answers_every_unfinished_request(decoder, prompts):
+    # One at a time, and the first cannot finish before the stop (no EOS, 10,000 tokens): at the stop one request
+    # is running and the others wait behind it, however fast the machine is.
     eng = engine(decoder, strategy="continuous", max_batch_size=1)
-    seqs, events = make(prompts, [200] * len(prompts))
+    seqs, events = make(prompts, [10_000] + [200] * (len(prompts) - 1), end_ids=())
     errors = []
+    first_token = threading.Event()
     for seq in seqs:
         seq.on_error = lambda s, error: errors.append((s.key, str(error)))
+    seqs[0].emit = lambda seq, ids, done, _logprobs: (events.append((seq.key, list(ids), done)), first_token.set())
     eng.start()
     for seq in seqs:
         eng.submit(seq)
-    time.sleep(0.3)
+    assert first_token.wait(timeout=120), "the first request streams a token"
     eng.stop()
-    # One at a time, so at stop some are still waiting (a short answer may have finished by EOS already).
     finals = [key for key, _, done in events if done] + [key for key, _ in errors]
     assert sorted(finals) == sorted(s.key for s in seqs), "every request ends with exactly one final response"
-    assert len(errors) >= 2 and all("shutting down" in message for _, message in errors)
+    assert [key for key, _ in errors] == [s.key for s in seqs] and all(
+        message == "the model is shutting down" for _, message in errors), "the running one, then those waiting"
+    assert {key for key, _, _ in events} == {seqs[0].key}, "only the running request streamed tokens"
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts, alone):
@@ -262,8 +269,6 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, prompts
 
 
 def test_prefill_chunks_keep_padding_low_and_lose_no_sequence():
-    from python_backend.engine.loop import length_sorted_chunks
-
     seqs = [Sequence(prompt_ids=[1] * n, params=SamplingParams(max_tokens=1)) for n in (5, 60, 7, 58, 30, 6, 31)]
     chunks = length_sorted_chunks(seqs, max_padding=0.10)
     assert sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in seqs)
@@ -276,7 +281,7 @@ def test_a_cancel_that_overtakes_its_request_still_cancels_it(decoder, prompts):
     eng.cancel(seq.key)
     eng.step()  # the unmatched cancel is kept
     eng.submit(seq)
-    assert seq.finish_reason == "cancelled" and not eng.waiting and events == [(seq.key, [], True)]
+    assert seq.finish_reason == "cancelled" and not eng.core.waiting and events == [(seq.key, [], True)]
 
 
 def run_to_end(eng, seqs):
@@ -331,7 +336,7 @@ def test_a_failing_decode_step_ends_every_running_request_at_once_and_the_next_o
         eng.submit(seq)
     eng.step()  # prefill, then the failing decode: every running sequence gets its error now
     assert sorted(errors) == sorted(s.key for s in seqs) and all(s.final_sent for s in seqs)
-    assert eng.running == [] and eng.batch is None
+    assert eng.core.running == [] and eng.core.batch is None
     later, _ = make(prompts[clean:clean + 1], MAX_TOKENS[clean:clean + 1])
     run_to_end(eng, later)
     assert later[0].output_ids == alone[clean]

@@ -145,10 +145,6 @@ def test_an_unreadable_manifest_is_a_clear_error(engine, text):
         load(engine)
 
 
-def test_a_mismatch_is_a_runtime_that_cannot_run_here():
-    assert issubclass(EngineMismatchError, RuntimeUnavailableError)
-
-
 def test_serving_limits_of_a_decoders_limits():
     assert serving_limits(ENGINE_LIMITS) == CONFIG
 
@@ -198,3 +194,25 @@ def test_decoder_checks_the_manifest_before_deserializing(engine, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(EngineMismatchError, match="config max_batch_size 64 > engine's 32"):
         TensorRTDecoder(engine, dataclasses.replace(ENGINE_LIMITS, max_batch_size=64))
+
+
+def test_a_mismatch_is_a_runtime_that_cannot_run_here(engine, model_dir, monkeypatch, capsys):
+    """As with any runtime that cannot run here, the llm model's load fails saying why, or, with
+    allow_cpu_fallback, serves on the CPU."""
+    import torch
+
+    from python_backend.runtime.factory import RuntimeSettings, open_decoder
+    from scripts.paths import PROJECT_ROOT
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    settings = RuntimeSettings(runtime="tensorrt", engine_path=str(engine))
+    larger = ServingLimits(64, 1024, 2048)
+    with pytest.raises(RuntimeUnavailableError, match="config max_batch_size 64 > engine's 32"):
+        open_decoder(settings, model_dir, larger, PROJECT_ROOT)
+    decoder = open_decoder(dataclasses.replace(settings, allow_cpu_fallback=True), model_dir, larger, PROJECT_ROOT)
+    assert type(decoder).__name__ == "OnnxDecoder"
+    err = capsys.readouterr().err
+    assert "does not fit this server" in err and "allow_cpu_fallback is set: serving on the CPU" in err

@@ -3,14 +3,15 @@ harmlessly), and every neighbour gets exactly the tokens it gets alone."""
 
 from __future__ import annotations
 
-import queue
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from scripts.clients.llm_client import GrpcStreamClient
+from tests import helpers
+from tests.helpers import llm_stream
+
+pytestmark = pytest.mark.server
 
 NEIGHBOURS = ["What is the capital of France?", "Name three primary colors.", "用一句话介绍一下长城。",
               "Write a Python function that reverses a string.", "Why do cats purr?", "Hi!", "What is 2+2?",
@@ -18,37 +19,8 @@ NEIGHBOURS = ["What is the capital of France?", "Name three primary colors.", "�
 MAX_TOKENS = 24
 
 
-def llm_stream(server, inputs: dict) -> tuple[list[int], str | None]:
-    """One direct request to the decoupled llm model: (all generated ids, error message or None)."""
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    tensors = []
-    for name, (value, dtype, triton_type) in inputs.items():
-        array = np.array([value if isinstance(value, list) else [value]], dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    client.async_stream_infer("llm", tensors)
-    ids: list[int] = []
-    try:
-        while True:
-            result, error = responses.get(timeout=300)
-            if error is not None:
-                return ids, error.message()
-            ids += result.as_numpy("output_ids").reshape(-1).tolist()
-            if result.as_numpy("finished").reshape(-1)[0]:
-                return ids, None
-    finally:
-        client.stop_stream()
-
-
 def llm_request(prompt_ids, max_tokens=MAX_TOKENS, **sampling):
-    inputs = {"input_ids": (prompt_ids, np.int32, "INT32"), "max_tokens": (max_tokens, np.int32, "INT32")}
-    for name, value in sampling.items():
-        dtype, triton_type = {"seed": (np.uint64, "UINT64")}.get(name, (np.float32, "FP32"))
-        inputs[name] = (value, dtype, triton_type)
-    return inputs
+    return helpers.llm_request(prompt_ids, max_tokens, **sampling)
 
 
 @pytest.fixture(scope="module")

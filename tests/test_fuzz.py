@@ -20,6 +20,8 @@ from tritonclient.utils import InferenceServerException
 
 from scripts.clients.llm_client import GenerateClient
 
+pytestmark = pytest.mark.server
+
 BASE = {"text_input": "Hi", "max_tokens": 4, "apply_chat_template": True}  # a chat answer ends at EOS soon
 TRITON_PARSER_ERRORS = ("Unable to parse", "failed to parse the request JSON", "attempt to get members for non-object")
 REQUEST_TIMEOUT_S = 120

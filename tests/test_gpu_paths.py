@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 
 from python_backend.engine.kv_batch import KVBatch
-from python_backend.engine.loop import generate
-from python_backend.engine.sampling import SamplingParams
-from python_backend.engine.sequence import Sequence
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE
 from python_backend.runtime.decoder import ServingLimits, TorchTensors
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import generate_staggered
 
 pytestmark = pytest.mark.gpu
 
@@ -85,13 +83,6 @@ class CacheOnGpu:
         return logits, [t.to(self.tensors.device) for t in present]
 
 
-def run(decoder, prompt_ids):
-    sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=8 + 6 * (i % 4), end_ids=(2,)))
-                 for i, p in enumerate(prompt_ids)]
-    generate(decoder, sequences, strategy="continuous")
-    return [s.output_ids for s in sequences]
-
-
 @pytest.fixture(scope="module")
 def cpu_answers():
     pytest.importorskip("onnxruntime", reason="the forward pass runs on onnxruntime")
@@ -100,14 +91,14 @@ def cpu_answers():
 
     model_dir = export_dir()
     prompt_ids = [PromptTokenizer(model_dir).encode(p, apply_chat_template=True) for p in PROMPTS]
-    return model_dir, prompt_ids, run(OnnxDecoder(model_dir / ONNX_FILE), prompt_ids)
+    return model_dir, prompt_ids, generate_staggered(OnnxDecoder(model_dir / ONNX_FILE), prompt_ids)
 
 
 def test_the_engine_with_its_cache_on_the_gpu_is_token_exact(cpu_answers):
     from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 
     model_dir, prompt_ids, expected = cpu_answers
-    assert run(CacheOnGpu(OnnxDeviceDecoder.on_cpu(model_dir / ONNX_FILE)), prompt_ids) == expected
+    assert generate_staggered(CacheOnGpu(OnnxDeviceDecoder.on_cpu(model_dir / ONNX_FILE)), prompt_ids) == expected
 
 
 def _gpu_runtime(runtime: str, provider: str, model_dir: Path, **settings):
@@ -124,7 +115,7 @@ def _gpu_runtime(runtime: str, provider: str, model_dir: Path, **settings):
 def test_the_onnxruntime_cuda_runtime_matches_the_cpu(cpu_answers):
     model_dir, prompt_ids, expected = cpu_answers
     decoder = _gpu_runtime("onnxruntime-cuda", "CUDAExecutionProvider", model_dir)
-    answers = run(decoder, prompt_ids)
+    answers = generate_staggered(decoder, prompt_ids)
     # fp32 on another device's kernels: a near-tie may flip late; most answers must be identical.
     assert sum(a == e for a, e in zip(answers, expected)) >= len(expected) - 1, (answers, expected)
 
@@ -133,6 +124,6 @@ def test_the_onnxruntime_tensorrt_runtime_agrees_on_the_first_tokens(cpu_answers
     model_dir, prompt_ids, expected = cpu_answers
     decoder = _gpu_runtime("onnxruntime-tensorrt", "TensorrtExecutionProvider", model_dir,
                            trt_cache_dir=str(tmp_path))
-    answers = run(decoder, prompt_ids)
+    answers = generate_staggered(decoder, prompt_ids)
     # FP16: the first tokens agree; later ones may drift, as the quantized variants' reports show for int8.
     assert sum(a[:4] == e[:4] for a, e in zip(answers, expected)) >= len(expected) - 1, (answers, expected)

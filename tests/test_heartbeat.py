@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from python_backend.serving.heartbeat import Heartbeat, PeerLiveness, judge, process_alive, read_health
 
@@ -31,13 +32,18 @@ def test_a_gone_process_is_dead_at_once(tmp_path):
     assert "process" in PeerLiveness("llm", tmp_path).problem()
 
 
-def test_a_zombie_is_dead(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 60
-    while process_alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
-        time.sleep(0.01)
-    assert not process_alive(child.pid)
-    child.wait()
+def test_a_zombie_is_dead():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert process_alive(child.pid)
+        child.stdin.close()  # it exits
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # returns once it has exited, and leaves it unreaped
+        state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+        assert state == "Z", "exited and not reaped: a zombie"
+        assert not process_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_stale_heartbeats_and_stuck_engines_are_stalled():

@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
+from python_backend.engine.batch_sampling import choose_next
 from python_backend.engine.kv_batch import KVBatch
-from python_backend.engine.loop import choose_next, generate, length_sorted_chunks
+from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import length_sorted_chunks
 from python_backend.engine.sequence import Sequence
 
 PROMPTS = [

@@ -1,10 +1,13 @@
 """The layout's rules, read from the source: no import circles (imports inside functions count), a docstring for every
-package, the serving layers never import the tools around them, and the serving image holds all that serving imports."""
+package, the serving layers never import the tools around them, the serving image holds all that serving imports, and
+tests/conftest.py's check of the `server` marker sees every way a test starts a tritonserver."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -129,3 +132,43 @@ def test_the_serving_image_holds_everything_the_launcher_imports(dockerfile):
         source = modules[name].relative_to(PROJECT_ROOT)
         assert any(source == c or c in source.parents for c in copied), f"{dockerfile} lacks {source} ({entry})"
     assert not any(str(c).startswith(("loadtests", "tests")) for c in copied), "the serving image copies tests"
+
+
+def test_the_server_marker_check_sees_a_server_started_directly_or_through_a_helper(tmp_path, monkeypatch):
+    import conftest
+
+    (tmp_path / "uses_servers.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+
+        def in_a_block():
+            with running_server(log_path="server.log") as ports:
+                return ports
+
+        def helper():
+            return in_a_block()
+
+        def through_a_helper():
+            return helper().http
+
+        def serve_command():
+            return subprocess.Popen([sys.executable, "-m", "scripts.launcher.triton_server", "--http-port", "1"])
+
+        def the_sweep():
+            return subprocess.run([sys.executable, "-m", "loadtests.sweep", "--quick"])
+
+        def openai_api():
+            with running_openai_api("127.0.0.1:1", "model", "api.log") as url:
+                return url
+
+        def serve_command_with_a_stand_in():
+            return subprocess.Popen([sys.executable, "-m", "scripts.launcher.triton_server", "--tritonserver",
+                                     "./stand-in", "--http-port", "1"])
+
+        def a_command_line_read_from_a_file(args):
+            return args[:3] == ["python3", "-m", "scripts.launcher.triton_server"]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("uses_servers")
+    functions = [name for name in vars(module) if callable(getattr(module, name)) and name[0].islower()]
+    assert {name for name in functions if conftest._starts_a_server(getattr(module, name))} == {
+        "in_a_block", "helper", "through_a_helper", "serve_command", "the_sweep", "openai_api"}

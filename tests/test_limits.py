@@ -20,6 +20,9 @@ from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.server_metrics import read_metrics
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
+from tests.helpers import NO_EOS, wait_for
+
+pytestmark = pytest.mark.server
 
 FRONT_LIMITS = {"max_concurrent_requests": 2, "max_prompt_bytes": 64, "max_stop_strings": 2,
                 "max_stop_string_bytes": 8}
@@ -76,7 +79,7 @@ def test_prompt_tokens_plus_max_tokens_within_the_context(limited, tokenizer):
 
 
 def test_requests_beyond_max_concurrent_requests_get_503_at_once(limited):
-    running = {**{"text_input": "Tell me a long story.", "end_id": 49151}, "max_tokens": 200}
+    running = {"text_input": "Tell me a long story.", "end_id": NO_EOS, "max_tokens": 200}
     metrics = f"127.0.0.1:{limited.metrics}"
     outcomes = []
 
@@ -86,8 +89,8 @@ def test_requests_beyond_max_concurrent_requests_get_503_at_once(limited):
     threads = [threading.Thread(target=one) for _ in range(2)]
     for thread in threads:
         thread.start()
-    deadline_ok = _wait(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120)
-    assert deadline_ok, "two requests fill ensemble_unary's limit"
+    wait_for(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120, 0.05,
+             "two requests fill ensemble_unary's limit")
     with pytest.raises(InferenceServerException) as http_error:
         httpclient.InferenceServerClient(f"127.0.0.1:{limited.http}").infer(
             "ensemble_unary", triton_inputs(httpclient, {"text_input": "Hi", "max_tokens": 2}))
@@ -118,7 +121,8 @@ def test_the_openai_api_answers_503_with_retry_after_when_the_ensemble_is_full(l
         threads = [threading.Thread(target=one) for _ in range(2)]
         for thread in threads:
             thread.start()
-        assert _wait(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120), "two requests fill the ensemble"
+        wait_for(lambda: read_metrics(metrics)["llm_running_sequences"] == 2, 120, 0.05,
+                 "two requests fill the ensemble")
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=model, prompt="Hi", max_tokens=2)
         with pytest.raises(openai.APIStatusError) as refused_stream:
@@ -134,14 +138,3 @@ def test_the_openai_api_answers_503_with_retry_after_when_the_ensemble_is_full(l
             assert "its limit (max_concurrent_requests)" in error["message"]
         assert outcomes == [200, 200], "the two admitted requests were served in full"
         assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
-
-
-def _wait(condition, timeout_s: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False

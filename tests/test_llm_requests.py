@@ -1,5 +1,8 @@
 """The llm model's own request checks (clients may call it directly with token ids)."""
 
+import random
+import re
+
 import numpy as np
 import pytest
 
@@ -56,9 +59,24 @@ def test_stop_sequences_are_bounded_in_number_and_length():
         sequence_from_inputs(llm_inputs(3, 4, stop_words_ids=[[5] * 9]), (2,), LIMITS)
 
 
+def new_key() -> str:
+    return Sequence(prompt_ids=[1], params=SamplingParams(max_tokens=1)).key
+
+
 def test_request_keys_are_unguessable():
-    keys = {Sequence(prompt_ids=[1], params=SamplingParams(max_tokens=1)).key for _ in range(100)}
-    assert len(keys) == 100 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
+    """128 random bits each, from the operating system's generator: a cancel names its sequence by key."""
+    keys = [new_key() for _ in range(2000)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", k) for k in keys) and len(set(keys)) == len(keys)
+    # Every one of the 128 bits is set in about half of the keys (a counter, a clock or a fixed field is not):
+    # outside 40-60 % of 2000 is 9 standard deviations away for a fair bit.
+    for bit in range(128):
+        share = sum(int(k, 16) >> bit & 1 for k in keys) / len(keys)
+        assert 0.4 < share < 0.6, f"bit {bit} is set in {share:.0%} of the keys"
+    # Not from the `random` module, whose state anyone who sees its outputs can predict (or who seeds it).
+    random.seed(0)
+    first = new_key()
+    random.seed(0)
+    assert new_key() != first
 
 
 def test_logit_bias_and_log_probability_inputs_are_checked():

@@ -131,6 +131,7 @@ def test_streamed_chat_chunks_count_one_token_each_and_add_up_to_the_usage():
         list(sse_events([b'data: {"error": "text_input is empty"}\n']))
 
 
+@pytest.mark.server
 def test_perf_inputs_follow_the_documented_formats_and_the_served_model(server, tmp_path):
     assert perf_inputs_main(["--output", str(tmp_path), "--count", "16"]) == 0
     data = json.loads((tmp_path / PERF_ANALYZER_FILE).read_text())
@@ -161,6 +162,7 @@ def quick_sweep(tmp_path_factory, model_dir):
     return output
 
 
+@pytest.mark.server
 def test_quick_sweep_writes_sane_results_plots_and_report(quick_sweep):
     cells = json.loads((quick_sweep / "results.json").read_text())
     assert len(cells) == 4 and {c["strategy"] for c in cells} == {"continuous", "static"}
@@ -255,6 +257,7 @@ def run_locust(users: list[str], options: list[str], csv_prefix: Path, seconds: 
     return result, rows
 
 
+@pytest.mark.server
 def test_locust_needs_only_host_on_non_default_ports(server, tmp_path):
     # What a new user types: only --host. The server answers on non-default ports that follow Triton's convention
     # (gRPC = HTTP + 1, like 8000/8001), forwarded to the test server's own ports.
@@ -270,6 +273,7 @@ def test_locust_needs_only_host_on_non_default_ports(server, tmp_path):
     assert rows["Aggregated"]["Failure Count"] == "0"
 
 
+@pytest.mark.server
 def test_each_failure_locust_records_carries_the_servers_message(server, tmp_path):
     prompts = tmp_path / "too_long.jsonl"
     prompts.write_text(json.dumps({"text_input": "x" * 70_000}) + "\n")
@@ -287,15 +291,16 @@ def test_each_failure_locust_records_carries_the_servers_message(server, tmp_pat
 
 def test_an_unreachable_grpc_endpoint_ends_locust_at_start(tmp_path):
     port = _free_port_pair()  # nothing listens on port + 1
-    started = time.monotonic()
     result, rows = run_locust(["GrpcStreamUser"], ["--host", f"http://127.0.0.1:{port}"], tmp_path / "locust",
                               seconds=60)
-    assert result.returncode == 2 and time.monotonic() - started < 30, result.stderr[-3000:]
+    # At start: Locust's exit code for a failed start (a run of 60 s with failing requests exits 1), no request sent.
+    assert result.returncode == 2, result.stderr[-3000:]
     assert f"GrpcStreamUser: no Triton gRPC endpoint at 127.0.0.1:{port + 1}: UNAVAILABLE: " in result.stderr
     assert f"(derived from --host http://127.0.0.1:{port}: its port + 1; pass --grpc-url HOST:PORT)" in result.stderr
     assert int(rows.get("Aggregated", {}).get("Request Count", 0)) == 0
 
 
+@pytest.mark.server
 def test_chat_stream_user_against_the_openai_service(server, model_dir, tmp_path):
     pytest.importorskip("openai_api.app", reason="no OpenAI-compatible service (openai_api/app.py) to load-test")
     from loadtests.sweep import openai_service
@@ -308,6 +313,7 @@ def test_chat_stream_user_against_the_openai_service(server, model_dir, tmp_path
     assert 0 < float(rows["chat_stream"]["Average Content Size"]) <= 8  # usage.completion_tokens, max_tokens 8
 
 
+@pytest.mark.server
 def test_a_grpc_stream_broken_mid_run_reports_its_cause(server, tmp_path):
     # The server goes away under load: each failure says why, not the client's "the stream is no longer in valid
     # state" (all that 432 failures in a row said once the first one had broken the stream).
@@ -335,6 +341,7 @@ def test_a_grpc_stream_broken_mid_run_reports_its_cause(server, tmp_path):
         assert re.match(r"[A-Z_]+: \S", error) and "no longer in valid state" not in error, errors
 
 
+@pytest.mark.server
 def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(server, tmp_path):
     """The compose stack's Locust: a master and two workers (docker/compose.yaml's commands), here as processes. The
     workers are told the users too: a worker checks every user it may run at start, and there is no OpenAI service

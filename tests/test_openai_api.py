@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from openai_api.app import ServiceConfig, create_app
 from scripts.launcher.openai_server import running_openai_api
-from scripts.launcher.server_metrics import read_metrics
+from tests.helpers import LEFTOVER_TOKENS, hf_greedy, metrics, wait_for, wait_idle
 
 pytestmark = pytest.mark.server
 
@@ -31,10 +31,7 @@ CHAT = [
     {"role": "user", "content": "Name another one."},
 ]
 MAX_TOKENS = 12
-# A cancelled request stops within a few engine steps; the bound leaves room for a loaded machine and stays far
-# below the LONG request's max_tokens.
-LEFTOVER_TOKENS = 50
-LONG = 1000
+LONG = 1000  # far above LEFTOVER_TOKENS
 
 
 # --- fixtures ---
@@ -66,17 +63,6 @@ def model(settings):
     return settings["model_name"]
 
 
-def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
-    eos = settings["eos_token_ids"]
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0])
-    new = out[0, len(ids):].tolist()
-    stops = [i for i, t in enumerate(new) if t in eos]
-    return new[: stops[0]] if stops else new
-
-
 def hf_logprobs(hf_model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at each generated position: [len(new_ids), vocabulary]."""
     with torch.no_grad():
@@ -96,28 +82,6 @@ def chat_reference(hf_model, tokenizer, settings):
     ids = list(tokenizer.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
     return ids, hf_greedy(hf_model, settings, ids, MAX_TOKENS)
-
-
-def metrics(server) -> dict[str, float]:
-    return read_metrics(f"127.0.0.1:{server.metrics}", model="llm", strategy="continuous")
-
-
-def wait_for(condition, timeout_s: float = 60) -> None:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "condition not met in time"
-        time.sleep(0.02)
-
-
-def wait_idle(server, timeout_s: float = 60) -> tuple[float, dict[str, float]]:
-    """Seconds until the engine runs and holds nothing, and the metrics then."""
-    started = time.monotonic()
-    while True:
-        values = metrics(server)
-        if values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0:
-            return time.monotonic() - started, values
-        assert time.monotonic() - started < timeout_s, f"still running after {timeout_s} s: {values}"
-        time.sleep(0.02)
 
 
 # --- answers ---
@@ -329,29 +293,31 @@ def long_request(model) -> dict:
 
 
 def test_a_streaming_client_that_disconnects_frees_its_sequence(client, model, server):
-    _, before = wait_idle(server)
+    before = wait_idle(server)
     stream = client.completions.create(**long_request(model), stream=True, stream_options={"include_usage": True})
     first = next(iter(stream))
     assert first.choices[0].text is not None
-    wait_for(lambda: metrics(server)["llm_running_sequences"] == 1)  # the engine reports after handing out tokens
+    wait_for(lambda: metrics(server)["llm_running_sequences"] == 1, 120)  # the engine reports after handing out tokens
     stream.close()
-    took, after = wait_idle(server)
+    closed = time.monotonic()
+    after = wait_idle(server)
     generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
-    print(f"streaming client gone: sequence freed {took:.2f} s later, {generated:.0f} tokens generated in all")
+    print(f"streaming client gone: sequence freed {time.monotonic() - closed:.2f} s later, {generated:.0f} tokens "
+          "generated in all")
     assert generated <= LEFTOVER_TOKENS, "generation stops soon after the client leaves"
 
 
 def test_a_waiting_non_streaming_client_that_gives_up_frees_its_sequence(model, server, service):
-    _, before = wait_idle(server)
+    before = wait_idle(server)
     impatient = openai.OpenAI(base_url=f"http://127.0.0.1:{service}/v1", api_key="x", max_retries=0, timeout=2)
-    gave_up = time.monotonic()
+    asked = time.monotonic()
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(**long_request(model))
-    gave_up = time.monotonic() - gave_up
-    took, after = wait_idle(server)
+    gave_up = time.monotonic()
+    after = wait_idle(server)
     generated = after["llm_output_tokens_total"] - before["llm_output_tokens_total"]
-    print(f"non-streaming client gone after {gave_up:.1f} s: sequence freed {took:.2f} s later, "
-          f"{generated:.0f} tokens generated in all")
+    print(f"non-streaming client gone after {gave_up - asked:.1f} s: sequence freed {time.monotonic() - gave_up:.2f} s "
+          f"later, {generated:.0f} tokens generated in all")
     assert generated < LONG, "the request was cancelled before its end"
 
 

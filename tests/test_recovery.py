@@ -21,9 +21,13 @@ from python_backend.serving.heartbeat import process_alive
 from scripts.clients.llm_client import GrpcClient, GrpcStreamClient, RequestError
 from scripts.launcher.processes import Ports
 from scripts.launcher.triton_server import server_environment
+from tests.helpers import long_request
 
+pytestmark = pytest.mark.server
+
+# Waits bound a hung server only: a recovery must happen, however long this machine takes.
+RECOVERY_TIMEOUT_S = 300
 PROMPT = {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 16}
-LONG = {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": 49151}
 
 
 class Supervised:
@@ -84,7 +88,7 @@ def start_streams(server: Supervised, count: int):
 
     def one(index):
         try:
-            for _ in GrpcStreamClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120).stream(LONG):
+            for _ in GrpcStreamClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120).stream(long_request()):
                 started[index].set()
             outcomes[index] = (None, time.monotonic() - outcomes["killed_at"])
         except RequestError as error:
@@ -139,10 +143,12 @@ def signal_under_load(server: Supervised, instance: str, streams: int, signum: i
 
 def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(supervised):
     before = supervised.answer()
-    fault = signal_under_load(supervised, "llm_0_0", 8, signal.SIGKILL, timeout_s=60)
+    fault = signal_under_load(supervised, "llm_0_0", 8, signal.SIGKILL, timeout_s=RECOVERY_TIMEOUT_S)
     errors = fault.errors
     assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
-    assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
+    # At once: the front saw the process gone (a look every 0.25 s), rather than waiting for its heartbeat to go
+    # stale (10 s) or for the client's deadline.
+    assert all(f"process {fault.pid} is gone" in e[0] for e in errors), errors
     assert 503 in fault.seen, "readiness turned not-ready while the llm process was dead"
     assert fault.health["recoveries"][-1]["action"] == "reload llm" and fault.health["recoveries"][-1]["ok"]
     assert supervised.answer() == before, "the same prompt is served exactly again"
@@ -152,14 +158,15 @@ def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(s
 
 def test_a_killed_front_process_restarts_the_server(supervised):
     before = supervised.answer()
-    fault = signal_under_load(supervised, "ensemble_0_0", 4, signal.SIGKILL, timeout_s=120)
+    fault = signal_under_load(supervised, "ensemble_0_0", 4, signal.SIGKILL, timeout_s=RECOVERY_TIMEOUT_S)
     errors = fault.errors
     assert all(e is not None and e[0] for e in errors), errors
-    assert max(e[1] for e in errors) < 10, f"every request in flight ends with an error within 10 s: {errors}"
+    # Ended with the dead server, not left hanging until their deadline: before the new server was even ready.
+    assert all(e[1] < fault.recovered_after for e in errors), (errors, fault.recovered_after)
     assert 503 in fault.seen or None in fault.seen, "readiness turned not-ready while the front process was dead"
     assert fault.health["server_pid"] != fault.server_pid
     assert fault.health["recoveries"][-1]["action"] == "restart tritonserver"
-    assert fault.recovered_after < 60 and supervised.answer() == before
+    assert supervised.answer() == before
     print(f"front killed: {len(errors)} requests ended within {max(e[1] for e in errors):.2f} s "
           f"({errors[0][0][:80]}), ready again after {fault.recovered_after:.1f} s")
 
@@ -167,7 +174,7 @@ def test_a_killed_front_process_restarts_the_server(supervised):
 def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
     """SIGSTOP: the process exists but does nothing (as a process stuck in a kernel call, or starved)."""
     before = supervised.answer()
-    fault = signal_under_load(supervised, "llm_0_0", 2, signal.SIGSTOP, timeout_s=120)
+    fault = signal_under_load(supervised, "llm_0_0", 2, signal.SIGSTOP, timeout_s=RECOVERY_TIMEOUT_S)
     errors, health = fault.errors, fault.health
     assert 503 in fault.seen and health["recoveries"][-1]["action"] == "reload llm"
     assert "stalled" in health["recoveries"][-1]["reason"]
@@ -181,7 +188,7 @@ def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
 def test_the_supervisor_reports_readiness_and_recoveries_as_prometheus_metrics(supervised):
     from prometheus_client.parser import text_string_to_metric_families
 
-    health = supervised.wait_ready(120)
+    health = supervised.wait_ready(RECOVERY_TIMEOUT_S)
     with urllib.request.urlopen(f"http://127.0.0.1:{supervised.health_port}/metrics", timeout=5) as response:
         samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
                    for s in family.samples}

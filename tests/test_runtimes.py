@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from python_backend.engine.kv_batch import KVBatch
-from python_backend.engine.loop import choose_next, generate
+from python_backend.engine.batch_sampling import choose_next
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE
@@ -21,6 +21,7 @@ from python_backend.runtime.onnx_decoder import file_cache_shape
 from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 from python_backend.runtime.trt_profiles import optimization_profiles
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import generate_staggered
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍一下长城。",
            "List three colors.", "def add(a, b):", "Count from one to ten."]
@@ -37,19 +38,12 @@ def prompts(tokenizer):
     return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
 
 
-def run(decoder, prompts, strategy):
-    sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=8 + 6 * (i % 4), end_ids=(2,)))
-                 for i, p in enumerate(prompts)]
-    generate(decoder, sequences, strategy=strategy)
-    return [s.output_ids for s in sequences]
-
-
 @pytest.mark.parametrize("strategy", ["continuous", "static"])
 def test_the_device_path_generates_the_same_tokens_as_the_host_path(decoder, device_decoder, prompts, strategy):
     # Different max_tokens make rows leave the batch (select) while others run; continuous also joins (extend).
-    host = run(decoder, prompts, strategy)
+    host = generate_staggered(decoder, prompts, strategy)
     assert all(host)
-    assert run(device_decoder, prompts, strategy) == host
+    assert generate_staggered(device_decoder, prompts, strategy) == host
 
 
 def test_the_device_path_keeps_its_cache_in_torch_tensors_and_matches_logits(decoder, device_decoder, prompts):
@@ -165,10 +159,47 @@ def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(m
     assert file_cache_shape(model_dir / ONNX_FILE) == shape  # the file's declared inputs, as the session sees them
 
 
-def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(model_dir, capsys):
-    from scripts.bench.runtime_benchmark import main
+class AlwaysToken:
+    """A runtime that disagrees: the decoder it wraps, except that its logits always favour one token."""
 
-    assert main(["--model-dir", str(model_dir), "--requests", "4", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| onnxruntime")]
-    assert [row.split(" | ")[0] for row in rows] == ["| onnxruntime", "| onnxruntime+io_binding"]
-    assert all(row.endswith("| True |") for row in rows) and "x1.00" in rows[0]
+    def __init__(self, decoder, token: int):
+        self.decoder, self.token = decoder, token
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def forward(self, *inputs):
+        logits, present = self.decoder.forward(*inputs)
+        logits = logits.copy()
+        logits[..., self.token] = logits.max() + 1
+        return logits, present
+
+
+def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(decoder, model_dir, monkeypatch, capsys):
+    from scripts.bench import runtime_benchmark
+
+    # Short requests (the comparison is under test, not the workload); the session's decoder for onnxruntime, and
+    # for "onnxruntime-cuda" a stand-in that gives other tokens than the CPU runtimes.
+    workload = runtime_benchmark.workload
+    monkeypatch.setattr(runtime_benchmark, "workload",
+                        lambda n: [{**request, "max_tokens": 6} for request in workload(n)])
+    opened, real_open = [], runtime_benchmark.open_decoder
+
+    def open_decoder(settings, *args):
+        opened.append(settings)
+        if settings.runtime == "onnxruntime-cuda":
+            return AlwaysToken(decoder, token=42)
+        return decoder if settings == RuntimeSettings() else real_open(settings, *args)
+
+    monkeypatch.setattr(runtime_benchmark, "open_decoder", open_decoder)
+    runtimes = "onnxruntime,onnxruntime+io_binding,onnxruntime-cuda"
+    assert runtime_benchmark.main(["--model-dir", str(model_dir), "--runtimes", runtimes, "--requests", "2",
+                                   "--repeats", "1"]) == 0
+    assert [(s.runtime, s.io_binding) for s in opened] == [("onnxruntime", False), ("onnxruntime", True),
+                                                          ("onnxruntime-cuda", False)]
+    rows = {row.split(" | ")[0].removeprefix("| "): row for row in capsys.readouterr().out.splitlines()
+            if row.startswith("| onnxruntime")}
+    assert list(rows) == runtimes.split(",")
+    assert "x1.00" in rows["onnxruntime"]
+    assert rows["onnxruntime+io_binding"].endswith("| True |"), "the device path gives the host path's tokens"
+    assert rows["onnxruntime-cuda"].endswith("| False |"), "a runtime that gives other tokens is reported"

@@ -3,17 +3,15 @@ protocol, streamed or not; a match stops the llm model's generation."""
 
 from __future__ import annotations
 
-import time
-import urllib.request
-
 import pytest
 
 from scripts.clients.llm_client import GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient
-from scripts.launcher.server_metrics import read_metrics
+from tests.helpers import NO_EOS, assert_ready, wait_idle
+
+pytestmark = pytest.mark.server
 
 PROMPT = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # greedy
-NO_EOS = 49151  # end_id that the model practically never emits: without a stop, generation runs to max_tokens
 
 
 def ask(**extra) -> dict:
@@ -66,26 +64,10 @@ def test_the_first_of_several_stop_strings_in_the_text_ends_the_answer(server):
 
 
 def test_a_match_stops_the_llm_models_generation(server):
-    metrics_url = f"127.0.0.1:{server.metrics}"
-    wait_for(lambda: read_metrics(metrics_url)["llm_running_sequences"] == 0, 60)
-    generated_before = read_metrics(metrics_url)["llm_output_tokens_total"]
+    generated_before = wait_idle(server)["llm_output_tokens_total"]
     answer = GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete(
         ask(max_tokens=400, end_id=NO_EOS, stop_words=["Paris"]))
     assert answer.text == "The capital of France is "
-    wait_for(lambda: read_metrics(metrics_url)["llm_running_sequences"] == 0, 10)
-    generated = read_metrics(metrics_url)["llm_output_tokens_total"] - generated_before
+    generated = wait_idle(server)["llm_output_tokens_total"] - generated_before
     assert generated < 100, f"{generated} tokens generated: the llm model went on after the match"
     assert_ready(server)
-
-
-def wait_for(condition, timeout_s: float) -> None:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "condition not met in time"
-        time.sleep(0.05)
-
-
-def assert_ready(server):
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/v2/health/ready", timeout=10) as response:
-        assert response.status == 200
-    assert GenerateClient(f"127.0.0.1:{server.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens

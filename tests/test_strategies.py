@@ -4,19 +4,20 @@ the engine's own metrics show them under the strategy label of the model that se
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.clients.llm_client import GrpcStreamClient, triton_inputs
+from scripts.clients.llm_client import GrpcStreamClient
 from scripts.launcher.model_control import SERVED_MODELS, reload_llm
-from scripts.launcher.server_metrics import read_metrics
 from scripts.launcher.triton_server import running_server
+from tests.helpers import BackgroundStream, long_request, metrics, wait_for, wait_idle
+
+pytestmark = pytest.mark.server
+WAIT_S = 300  # bounds a hung server only
 
 REQUESTS = [
     {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 24},
@@ -29,8 +30,6 @@ REQUESTS = [
 # With the chat template these prompts are 31 and 34 tokens ("Hi", "Name a color.") and 37-49 tokens (the others):
 # a bucket boundary at 36 splits them into groups of 2 and 4.
 LENGTH_BUCKETS, LARGEST_BUCKET_GROUP = "36", 4
-NO_EOS = 49151  # end_id that the model practically never emits: generation runs to max_tokens
-LONG_REQUEST = {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000, "end_id": NO_EOS}
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +56,6 @@ def reload(server, strategy, **parameters):
     assert config["parameters"]["batching_strategy"]["string_value"] == strategy
 
 
-def metrics(server, strategy) -> dict[str, float]:
-    """The llm model's metrics under this strategy's label (an empty dict if no model reports that strategy)."""
-    return read_metrics(f"127.0.0.1:{server.metrics}", model="llm", strategy=strategy)
-
-
 def decode_steps_above(server, strategy, rows: int) -> float:
     """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
@@ -70,51 +64,6 @@ def decode_steps_above(server, strategy, rows: int) -> float:
                for s in family.samples if s.name == "llm_batch_size_bucket"
                and s.labels.get("model") == "llm" and s.labels.get("strategy") == strategy}
     return buckets[float("inf")] - buckets[float(rows)]
-
-
-def wait_for(condition, timeout_s: float = 300) -> None:
-    """Waits until condition() holds; the timeout only bounds a hung server."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "condition not met in time"
-        time.sleep(0.02)
-
-
-def wait_idle(server, strategy) -> dict[str, float]:
-    """The metrics once nothing runs or waits (the engine reports its state after a step's tokens are counted)."""
-    def idle():
-        values = metrics(server, strategy)
-        return values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0
-
-    wait_for(idle)
-    return metrics(server, strategy)
-
-
-class BackgroundStream:
-    """A gRPC streaming request that runs until cancel()."""
-
-    def __init__(self, server, request: dict):
-        self.final = False
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-        self.client.start_stream(callback=self._on_response)
-        self.client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**request, "stream": True}),
-                                       enable_empty_final_response=True)
-
-    def _on_response(self, result, error):
-        if result is not None and result.get_response().parameters.get("triton_final_response").bool_param:
-            self.final = True
-
-    def cancel(self) -> None:
-        if self.client is not None:
-            self.client.stop_stream(cancel_requests=True)
-            self.client.close()
-            self.client = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.cancel()
 
 
 def test_static_batching_waits_for_its_batch_and_computes_finished_rows_to_the_end(explicit_server, alone):
@@ -143,12 +92,12 @@ def test_dynamic_batching_keeps_newcomers_waiting_until_the_group_has_finished(e
     wait_idle(server, "dynamic")
     wide_before = decode_steps_above(server, "dynamic", LARGEST_BUCKET_GROUP)
     client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
-    with BackgroundStream(server, LONG_REQUEST) as group, ThreadPoolExecutor(len(REQUESTS)) as pool:
-        wait_for(lambda: metrics(server, "dynamic")["llm_running_sequences"] == 1)
+    with BackgroundStream(server, long_request()) as group, ThreadPoolExecutor(len(REQUESTS)) as pool:
+        wait_for(lambda: metrics(server, "dynamic")["llm_running_sequences"] == 1, WAIT_S)
         futures = [pool.submit(client.complete, r) for r in REQUESTS]
-        wait_for(lambda: metrics(server, "dynamic")["llm_waiting_sequences"] == len(REQUESTS))
+        wait_for(lambda: metrics(server, "dynamic")["llm_waiting_sequences"] == len(REQUESTS), WAIT_S)
         steps = metrics(server, "dynamic")["llm_batch_size_count"]
-        wait_for(lambda: metrics(server, "dynamic")["llm_batch_size_count"] >= steps + 10)
+        wait_for(lambda: metrics(server, "dynamic")["llm_batch_size_count"] >= steps + 10, WAIT_S)
         now = metrics(server, "dynamic")
         assert (now["llm_running_sequences"], now["llm_waiting_sequences"]) == (1, len(REQUESTS)), \
             "ten decode steps later, none of the six has joined the running group"
@@ -168,8 +117,8 @@ def test_continuous_batching_lets_requests_join_and_leave_a_running_batch(explic
     server = explicit_server
     reload(server, "continuous")
     wait_idle(server, "continuous")
-    with BackgroundStream(server, LONG_REQUEST) as long_one:
-        wait_for(lambda: metrics(server, "continuous")["llm_running_sequences"] == 1)
+    with BackgroundStream(server, long_request()) as long_one:
+        wait_for(lambda: metrics(server, "continuous")["llm_running_sequences"] == 1, WAIT_S)
         answers = run_concurrently(server)
         assert not long_one.final, "the six joined, finished and left while the long request kept running"
     wait_idle(server, "continuous")

@@ -7,8 +7,6 @@ import http.client
 import json
 import shutil
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +20,10 @@ from tritonclient.utils import InferenceServerException
 from scripts.launcher.server_metrics import read_metrics
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
+from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, long_request, metrics, wait_for,
+                           wait_idle)
+
+pytestmark = pytest.mark.server
 
 STREAM_PROMPTS = [
     "Write two sentences about the sea.",
@@ -29,75 +31,6 @@ STREAM_PROMPTS = [
     "Reply with three emoji that describe summer, then explain them.",
     "Write a Python function that returns the square of a number.",
 ]
-NO_EOS = 49151  # end_id that the model practically never emits: generation runs to max_tokens
-
-
-# A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
-# machine where the client lags the engine, and stays far below the 1000 tokens the request would otherwise make.
-LEFTOVER_TOKENS = 50
-LABELS = {"model": "llm", "strategy": "continuous"}
-
-
-def metrics(server) -> dict[str, float]:
-    """The llm model's custom metrics."""
-    return read_metrics(f"127.0.0.1:{server.metrics}", **LABELS)
-
-
-def wait_for(condition, timeout_s: float, interval_s: float = 0.02) -> float:
-    """Seconds until condition() held; fails after timeout_s (a bound for a hung server, not a speed claim)."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "condition not met in time"
-        time.sleep(interval_s)
-    return time.monotonic() - started
-
-
-def wait_idle(server) -> dict[str, float]:
-    """Waits until the engine has nothing running or waiting; returns the metrics then. The engine reports its
-    state after handing out a step's tokens, so the token counters are complete by then."""
-    def idle():
-        values = metrics(server)
-        return values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0
-
-    wait_for(idle, 300)
-    return metrics(server)
-
-
-class BackgroundStream:
-    """A gRPC streaming request that runs until cancel(); counts the tokens its client has received."""
-
-    def __init__(self, server, request: dict):
-        self.tokens, self.final = 0, False
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-        self.client.start_stream(callback=self._on_response)
-        self.client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**request, "stream": True}),
-                                       enable_empty_final_response=True)
-
-    def _on_response(self, result, error):
-        if result is None:
-            return
-        count = result.as_numpy("num_output_tokens")
-        if count is not None:
-            self.tokens += int(count.reshape(-1)[0])
-        if result.get_response().parameters.get("triton_final_response").bool_param:
-            self.final = True
-
-    def cancel(self) -> int:
-        """Cancels the request (once; later calls do nothing); returns the tokens its client had received."""
-        received = self.tokens
-        if self.client is not None:
-            self.client.stop_stream(cancel_requests=True)
-            self.client.close()
-            self.client = None
-        return received
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.cancel()
-
-
 @pytest.mark.parametrize("prompt", STREAM_PROMPTS)
 def test_streamed_deltas_add_up_to_the_unary_answer(server, prompt):
     request = {"apply_chat_template": True, "text_input": prompt, "max_tokens": 48}
@@ -116,11 +49,6 @@ def test_streamed_deltas_add_up_to_the_unary_answer(server, prompt):
 def test_stream_true_is_refused_by_the_unary_model(server):
     with pytest.raises(RequestError, match="stream=true needs the decoupled model 'ensemble'"):
         GrpcClient(f"127.0.0.1:{server.grpc}").complete({"text_input": "Hi", "max_tokens": 4, "stream": True})
-
-
-def long_request():
-    return {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000,
-            "end_id": NO_EOS}
 
 
 def test_cancelling_a_grpc_stream_frees_the_sequence(server):
@@ -157,12 +85,6 @@ def test_closing_an_sse_connection_frees_the_sequence(server):
     print(f"SSE close: {generated - received:.0f} tokens generated beyond the {received} the client received")
     assert received <= generated <= received + LEFTOVER_TOKENS, "generation stops soon after the connection closes"
     assert_ready(server)
-
-
-def assert_ready(server):
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/v2/health/ready", timeout=5) as response:
-        assert response.status == 200
-    assert GenerateClient(f"127.0.0.1:{server.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens
 
 
 def test_a_prompt_joining_31_running_requests_mid_flight_gets_the_same_tokens(server):

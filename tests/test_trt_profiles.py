@@ -4,24 +4,17 @@ two profiles are tuned for a decode step and a prefill."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from python_backend.runtime.trt_profiles import DecoderLimits, decode_point, optimization_profiles, prefill_point
-from scripts.paths import MODEL_REPOSITORY
+from tests.helpers import config_limits_from_text
 
 
 def config_limits(decoder) -> DecoderLimits:
-    text = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-
-    def parameter(key):
-        return int(re.search(rf'key: "{key}" value: {{ string_value: "(\d+)" }}', text).group(1))
-
-    shape = decoder.cache_shape
-    return DecoderLimits(max_batch_size=int(re.search(r"^max_batch_size: (\d+)", text, re.M).group(1)),
-                         max_prefill_tokens=parameter("max_prefill_tokens"),
-                         max_context_length=parameter("max_context_length"), num_layers=shape.num_layers,
+    """The config's limits (read with a regex) and the real export's cache dims."""
+    config, shape = config_limits_from_text(), decoder.cache_shape
+    return DecoderLimits(max_batch_size=config.max_batch_size, max_prefill_tokens=config.max_prefill_tokens,
+                         max_context_length=config.max_context_length, num_layers=shape.num_layers,
                          num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
 
 

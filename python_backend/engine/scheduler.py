@@ -1,12 +1,17 @@
-"""Which waiting sequences join the batch at this step: the three batching strategies and the memory budget.
+"""The batching policy: which sequences join the batch, how their prefill is cut, when to decode, which rows stay.
+
+The engine's core (core.py) holds the queues and asks at every step; the scheduler holds no state.
 
 - ``continuous``: any step may admit new sequences (first come, first served) while the running batch has room;
-  prefill of newcomers happens before the step's decode, at most ``max_prefill_tokens`` prompt tokens per step.
+  prefill of newcomers happens before the step's decode, which runs at every step.
 - ``dynamic``: when the batch is empty, everything that queued meanwhile becomes the next group and runs to
   completion (what Triton's dynamic batcher does for a model whose execute blocks); optional length buckets keep
   prompts of similar length together to cut padding. Finished sequences leave the batch at once.
 - ``static``: when the batch is empty and ``static_batch_size`` requests wait (or the oldest waited
   ``static_timeout_s``), they run together to completion; finished rows keep being computed until the last one ends.
+
+Every strategy prefills at most ``max_prefill_tokens`` prompt tokens per step, in chunks of similar prompt length;
+a group (dynamic, static) decodes once all of it is prefilled.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from python_backend.engine.kv_batch import KV_PEAK_FACTOR
 from python_backend.engine.sequence import Sequence
 
 STRATEGIES = ("continuous", "dynamic", "static")
+
+# A padded position costs as much as a real one, and each extra chunk about as much as 14 positions (SmolLM2, 2 CPU
+# cores): prefilling the benchmark's 32 prompts took 0.83 s at 10 %, 0.93 s at 25 % and 1.03 s with no padding.
+PREFILL_MAX_PADDING = 0.10
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,22 @@ def padded_cache_bound(sequences: list[Sequence], cache_len: int) -> int:
     return len(sequences) * (longest + max(s.remaining_tokens() for s in sequences))
 
 
+def length_sorted_chunks(sequences: list[Sequence], max_padding: float = PREFILL_MAX_PADDING) -> list[list[Sequence]]:
+    """Splits a prefill into chunks of similar prompt length, so that left padding stays under ``max_padding``
+    of each chunk's computed positions."""
+    chunks: list[list[Sequence]] = []
+    for seq in sorted(sequences, key=lambda s: len(s.prompt_ids), reverse=True):
+        if chunks:
+            chunk = chunks[-1]
+            longest = len(chunk[0].prompt_ids)
+            real = sum(len(s.prompt_ids) for s in chunk) + len(seq.prompt_ids)
+            if (len(chunk) + 1) * longest - real <= max_padding * (len(chunk) + 1) * longest:
+                chunk.append(seq)
+                continue
+        chunks.append([seq])
+    return chunks
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -80,6 +105,31 @@ class Scheduler:
                 return []
             return self._take(waiting, [], 0, None, limit=c.static_batch_size)
         return self._take(waiting, [], 0, None, bucket=self._bucket(waiting[0]))
+
+    def prefill_chunks(self, admitted: list[Sequence]) -> list[list[Sequence]]:
+        """Pops this step's prefill from the front of ``admitted`` (at most max_prefill_tokens prompt tokens, at least
+        one sequence, so that no strategy's step runs unbounded while cancellations and the decode wait), in
+        chunks of similar prompt length."""
+        taken, tokens = [], 0
+        while admitted:
+            size = len(admitted[0].prompt_ids)
+            if taken and tokens + size > self.config.max_prefill_tokens:
+                break
+            taken.append(admitted.pop(0))
+            tokens += size
+        return length_sorted_chunks(taken)
+
+    def should_decode(self, running: list[Sequence], admitted: list[Sequence]) -> bool:
+        """Whether the running batch decodes at this step: a group (dynamic, static) once all of it is prefilled,
+        continuous at every step; never when every row has finished."""
+        return (self.config.strategy == "continuous" or not admitted) and any(not s.finished for s in running)
+
+    def rows_to_keep(self, running: list[Sequence]) -> list[int]:
+        """The rows of the running batch that stay after this step. Static batching keeps computing finished rows
+        (padding) until the last row ends; only a cancelled or failed row leaves at once."""
+        if self.config.strategy == "static" and any(not s.finished for s in running):
+            return [row for row, s in enumerate(running) if s.finish_reason not in ("cancelled", "error")]
+        return [row for row, s in enumerate(running) if not s.finished]
 
     def _take(self, waiting, running, cache_len, prefill_tokens, limit=None, bucket=None) -> list[Sequence]:
         c = self.config

@@ -1,0 +1,221 @@
+"""The engine's core: each step cancels, admits, prefills, decodes and retires sequences, and returns what it did."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import numpy as np
+
+from python_backend.engine.batch_sampling import choose_next
+from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
+from python_backend.engine.sequence import Sequence
+from python_backend.engine.step_output import Decoded, EngineState, Event, Failed, NewTokens, Prefilled, StepOutput
+from python_backend.errors import InvalidRequestError, UnavailableError
+
+# A cancel whose key matches no sequence came after its sequence finished, or overtook its request: kept this long
+# for add() to find.
+UNMATCHED_CANCEL_TTL_S = 60.0
+
+
+class QueueFullError(UnavailableError):
+    """The waiting queue is at its bound: the client should retry later (503 / UNAVAILABLE)."""
+
+
+class EngineCore:
+    """The queues, the running batch's KV cache, and one step at a time: no thread, no callbacks; the scheduler
+    decides. decoder: any runtime of python_backend/runtime/ (the interface is in python_backend/runtime/decoder.py).
+
+    add() and cancel() change the waiting queue and the cancel keys, and a step reads them holding ``intake_lock``:
+    a caller on several threads passes the lock that it holds around add() and cancel() (loop.py). The step's
+    parts are generators of the events they make (``yield from`` runs them)."""
+
+    def __init__(self, decoder, config: SchedulerConfig, intake_lock=None):
+        self.decoder = decoder
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt not computed yet
+        self.running: list[Sequence] = []  # the rows of batch, in order
+        self.batch: KVBatch | None = None
+        self._next_tokens = np.zeros(0, np.int64)  # each row's last chosen token, fed at the next decode
+        self._cancelled: dict[str, float] = {}  # key -> when the cancel arrived
+        self._intake_lock = nullcontext() if intake_lock is None else intake_lock
+        self._reported_state: EngineState | None = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.prefilling or self.waiting)
+
+    def add(self, sequence: Sequence) -> list[Event]:
+        """Queues a sequence, or returns its final event at once when a cancel for it came first. Raises
+        InvalidRequestError when it can never fit the KV budget, QueueFullError when the waiting queue is full."""
+        need = padded_cache_bound([sequence], 0)
+        if need > self.config.kv_budget_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens need {need} KV-cache slots, more than the budget of "
+                f"{self.config.kv_budget_tokens}"
+            )
+        if self._cancelled.pop(sequence.key, None) is not None:  # its client left before it got here
+            sequence.finish_reason = "cancelled"
+            return list(self._emit(sequence))
+        if len(self.waiting) >= self.config.max_queue_size:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests); retry later")
+        self.waiting.append(sequence)
+        return []
+
+    def cancel(self, key: str) -> None:
+        """Cancels the sequence with this key at the next step, or when add() brings it."""
+        self._cancelled[key] = time.monotonic()
+
+    def step(self) -> StepOutput:
+        """One iteration, run to its end: what it did."""
+        out = StepOutput()
+        for _ in self.stream(out):
+            pass
+        return out
+
+    def stream(self, out: StepOutput) -> Iterator[Event]:
+        """One iteration that yields each event as it happens, so that a caller can hand tokens out while the rest
+        of the step computes; ``out`` records them, and the step's state, progress and error.
+
+        An error that escapes the per-sequence handling (a failed decode step) fails the sequences in the batch and
+        becomes the step's error; waiting ones are untouched and the next step goes on."""
+        try:
+            for event in self._step(out):
+                out.events.append(event)
+                yield event
+        except Exception as error:  # noqa: BLE001 - the engine must survive; the requests get the error
+            print(f"[engine] step failed, failing {len(self.running) + len(self.prefilling)} requests: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            out.progressed, out.error = True, error
+            failures = list(self._fail_all(error))
+            out.events += failures
+            yield from failures
+
+    def abort(self, error: Exception) -> list[Event]:
+        """Fails every sequence not finished yet, waiting ones included (the engine stops)."""
+        self.prefilling += list(self.waiting)
+        self.waiting.clear()
+        return list(self._fail_all(error))
+
+    def _step(self, out: StepOutput) -> Iterator[Event]:
+        with self._intake_lock:
+            cancelled = self._apply_cancellations()
+            busy = self.running + self.prefilling
+            self.prefilling += self.scheduler.admit(
+                self.waiting, busy, self.batch.cache_len if self.batch else 0, time.monotonic()
+            )
+        for seq in cancelled:
+            yield from self._emit(seq)
+        chunks = self.scheduler.prefill_chunks(self.prefilling)
+        for chunk in chunks:
+            yield from self._prefill(chunk)
+        decoding = self.scheduler.should_decode(self.running, self.prefilling)
+        if decoding:
+            yield from self._decode()
+        self._retire()
+        kv_bytes = self.batch.cache_bytes() if self.batch else 0
+        state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), kv_bytes)
+        if state != self._reported_state or chunks or decoding:
+            self._reported_state = out.state = state
+        out.progressed = bool(chunks) or decoding or bool(cancelled)
+
+    def _apply_cancellations(self) -> list[Sequence]:
+        """Marks cancelled sequences and takes them out of the queues; returns them."""
+        now = time.monotonic()
+        cancelled = []
+        for seq in list(self.waiting) + self.prefilling + self.running:
+            if seq.finished:
+                continue
+            if self._cancelled.pop(seq.key, None) is not None or (seq.is_cancelled is not None and seq.is_cancelled()):
+                seq.finish_reason = "cancelled"
+                cancelled.append(seq)
+        for seq in cancelled:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            elif seq in self.prefilling:
+                self.prefilling.remove(seq)
+        for key in [k for k, at in self._cancelled.items() if now - at > UNMATCHED_CANCEL_TTL_S]:
+            del self._cancelled[key]
+        return cancelled
+
+    def _prefill(self, chunk: list[Sequence]) -> Iterator[Event]:
+        try:
+            yield from self._prefill_chunk(chunk)
+        except Exception as error:  # noqa: BLE001 - find the culprit: each sequence alone
+            if len(chunk) == 1:
+                yield from self._fail(chunk[0], error)
+                return
+            for seq in chunk:
+                try:
+                    yield from self._prefill_chunk([seq])
+                except Exception as single_error:  # noqa: BLE001
+                    yield from self._fail(seq, single_error)
+
+    def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
+        batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
+        yield Prefilled(batch.size * batch.cache_len, padding)
+        tokens, failed = choose_next(sequences, logits)
+        for seq, error in failed:
+            yield from self._fail(seq, error)
+        for seq in sequences:
+            yield from self._emit(seq)
+        if self.batch is None:
+            self.batch, self.running, self._next_tokens = batch, list(sequences), tokens
+        else:
+            self.batch.extend(batch)
+            self.running += sequences
+            self._next_tokens = np.concatenate([self._next_tokens, tokens])
+
+    def _decode(self) -> Iterator[Event]:
+        logits = self.batch.step(self.decoder, self._next_tokens)
+        live = [row for row, s in enumerate(self.running) if not s.finished]
+        yield Decoded(len(self.running), len(self.running) - len(live))
+        chosen, failed = choose_next([self.running[r] for r in live], logits[live])
+        for seq, error in failed:
+            yield from self._fail(seq, error)
+        self._next_tokens[live] = chosen
+        for row in live:
+            yield from self._emit(self.running[row])
+
+    def _retire(self) -> None:
+        """Frees the cache rows that the scheduler lets go."""
+        keep = self.scheduler.rows_to_keep(self.running)
+        if len(keep) == len(self.running):
+            return
+        if not keep:
+            self.batch, self.running, self._next_tokens = None, [], np.zeros(0, np.int64)
+            return
+        self.batch.select(keep)
+        self.running = [self.running[r] for r in keep]
+        self._next_tokens = self._next_tokens[keep]
+
+    def _fail_all(self, error: Exception) -> Iterator[Event]:
+        """An error that cannot be pinned on one request: every request in the batch or being prefilled ends
+        with it at once."""
+        failing = self.running + self.prefilling
+        self.batch, self.running, self.prefilling = None, [], []
+        self._next_tokens = np.zeros(0, np.int64)
+        for seq in failing:
+            yield from self._fail(seq, error)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: Exception) -> Iterator[Event]:
+        if not seq.final_sent:
+            seq.finish_reason, seq.final_sent = "error", True
+            yield Failed(seq, error)
+
+    @staticmethod
+    def _emit(seq: Sequence) -> Iterator[Event]:
+        """The sequence's tokens not handed out yet, and whether they are its last."""
+        if seq.final_sent:
+            return
+        new, logprobs = seq.take_emittable()
+        seq.final_sent = seq.finished
+        if new or seq.finished:
+            yield NewTokens(seq, new, seq.finished, logprobs)

@@ -1,0 +1,183 @@
+"""Plain helpers that several test files share (fixtures live in tests/conftest.py). Waits take a timeout that only
+bounds a hung server or process, never a claim about the machine's speed."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+from python_backend.runtime.decoder import ServingLimits
+from scripts.paths import MODEL_REPOSITORY
+
+NO_EOS = 49151  # an end_id that the model practically never emits: generation runs to max_tokens
+# A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
+# machine where the client lags the engine, and stays far below the 1000 tokens such a request would otherwise make.
+LEFTOVER_TOKENS = 50
+
+
+def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str = "condition not met in time"
+             ) -> float:
+    """Seconds until condition() held; fails with message after timeout_s."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"{message} (waited {timeout_s} s)"
+        time.sleep(interval_s)
+    return time.monotonic() - started
+
+
+# --- a running server ---
+
+def metrics(server, strategy: str = "continuous", model: str = "llm") -> dict[str, float]:
+    """The llm model's custom metrics under its model and strategy labels (empty if no model reports them)."""
+    from scripts.launcher.server_metrics import read_metrics
+
+    return read_metrics(f"127.0.0.1:{server.metrics}", model=model, strategy=strategy)
+
+
+def wait_idle(server, strategy: str = "continuous", timeout_s: float = 300) -> dict[str, float]:
+    """The metrics once the engine has nothing running or waiting. The engine reports its state after handing out a
+    step's tokens, so the token counters are complete by then."""
+    def idle():
+        values = metrics(server, strategy)
+        return values["llm_running_sequences"] + values["llm_waiting_sequences"] == 0
+
+    wait_for(idle, timeout_s, message="the engine did not become idle")
+    return metrics(server, strategy)
+
+
+def assert_ready(server) -> None:
+    """Triton says ready, and a small request is served."""
+    from scripts.clients.llm_client import GenerateClient
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
+    assert GenerateClient(f"127.0.0.1:{server.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens
+
+
+def long_request() -> dict:
+    """A request for the ensemble that runs until cancelled (1000 tokens, EOS never met)."""
+    return {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000,
+            "end_id": NO_EOS}
+
+
+class BackgroundStream:
+    """A gRPC streaming request to the ensemble that runs until cancel(); counts the tokens its client has received
+    and notes the final response."""
+
+    def __init__(self, server, request: dict):
+        import tritonclient.grpc as grpcclient
+
+        from scripts.clients.llm_client import triton_inputs
+
+        self.tokens, self.final = 0, False
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer("ensemble", triton_inputs(grpcclient, {**request, "stream": True}),
+                                       enable_empty_final_response=True)
+
+    def _on_response(self, result, error):
+        if result is None:
+            return
+        count = result.as_numpy("num_output_tokens")
+        if count is not None:
+            self.tokens += int(count.reshape(-1)[0])
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            self.final = True
+
+    def cancel(self) -> int:
+        """Cancels the request (once; later calls do nothing); returns the tokens its client had received."""
+        received = self.tokens
+        if self.client is not None:
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
+            self.client = None
+        return received
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+
+def llm_request(prompt_ids: list[int], max_tokens: int, **sampling) -> dict:
+    """The inputs of a direct request to the llm model: name -> (value, numpy dtype, Triton dtype)."""
+    import numpy as np
+
+    inputs = {"input_ids": (prompt_ids, np.int32, "INT32"), "max_tokens": (max_tokens, np.int32, "INT32")}
+    for name, value in sampling.items():
+        dtype, triton_type = {"seed": (np.uint64, "UINT64")}.get(name, (np.float32, "FP32"))
+        inputs[name] = (value, dtype, triton_type)
+    return inputs
+
+
+def llm_stream(server, inputs: dict, timeout_s: float = 300) -> tuple[list[int], str | None]:
+    """One direct request to the decoupled llm model over a gRPC stream: (all generated ids, error message or
+    None)."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = []
+    for name, (value, dtype, triton_type) in inputs.items():
+        array = np.array([value if isinstance(value, list) else [value]], dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    client.async_stream_infer("llm", tensors)
+    ids: list[int] = []
+    try:
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                return ids, error.message()
+            ids += result.as_numpy("output_ids").reshape(-1).tolist()
+            if result.as_numpy("finished").reshape(-1)[0]:
+                return ids, None
+    finally:
+        client.stop_stream()
+
+
+# --- references ---
+
+def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_args) -> list[int]:
+    """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
+    import torch
+
+    eos = settings["eos_token_ids"]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], **generate_args)
+    new = out[0, len(ids):].tolist()
+    stops = [i for i, t in enumerate(new) if t in eos]
+    return new[: stops[0]] if stops else new
+
+
+def generate_staggered(decoder, prompt_ids: list[list[int]], strategy: str = "continuous") -> list[list[int]]:
+    """The engine's greedy output ids for these prompts, run together with max_tokens 8, 14, 20, 26, 8, ... so that
+    rows leave the batch while others run (and, continuous, join it)."""
+    from python_backend.engine.loop import generate
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.sequence import Sequence
+
+    sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=8 + 6 * (i % 4), end_ids=(2,)))
+                 for i, p in enumerate(prompt_ids)]
+    generate(decoder, sequences, strategy=strategy)
+    return [s.output_ids for s in sequences]
+
+
+def config_limits_from_text(model_repository=MODEL_REPOSITORY) -> ServingLimits:
+    """The llm config's limits read with a regex, independently of the project's config readers."""
+    text = (model_repository / "llm" / "config.pbtxt").read_text()
+
+    def parameter(key):
+        return int(re.search(rf'key: "{key}" value: {{ string_value: "(\d+)" }}', text).group(1))
+
+    return ServingLimits(max_batch_size=int(re.search(r"^max_batch_size: (\d+)", text, re.M).group(1)),
+                         max_prefill_tokens=parameter("max_prefill_tokens"),
+                         max_context_length=parameter("max_context_length"))
