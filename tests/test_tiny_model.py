@@ -66,6 +66,21 @@ def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
     return output
 
 
+def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_export, tmp_path):
+    # `make serve EXPORT_DIR=build/my-model QUANT=fp32` runs the export step without SOURCE: it must keep the user's
+    # model, not export the default model over it.
+    import shutil
+
+    output = tmp_path / "my-model"
+    shutil.copytree(tiny_export, output)
+    mark = (output / "export_complete.json").read_text()
+    command = [sys.executable, "-m", "scripts.prepare.export_onnx", "--output", str(output)]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "is up to date" in done.stderr + done.stdout
+    assert (output / "export_complete.json").read_text() == mark
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_export, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton_tiny") / "server.log"

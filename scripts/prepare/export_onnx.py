@@ -59,6 +59,17 @@ def default_source() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def recorded_source(output: Path) -> Path | None:
+    """The source a complete export in ``output`` came from, if it is still there: with no --source, a folder exported
+    from a model of the user's stays that model (`make serve EXPORT_DIR=...`), and is exported again from it when the
+    export format changes."""
+    mark = output / EXPORT_MARK
+    if not mark.is_file():
+        return None
+    source = Path(json.loads(mark.read_text()).get("source", ""))
+    return source if source.is_absolute() and source.exists() else None
+
+
 def source_fingerprint(source: Path) -> dict:
     stat = source.stat()
     return {"source": str(source.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime),
@@ -216,11 +227,13 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", type=Path, default=None, help="GGUF file or Hugging Face folder (default: SmolLM2 GGUF)")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="GGUF file or Hugging Face folder (default: what --output was exported from, else the "
+                             "SmolLM2 GGUF)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--force", action="store_true", help="export again even if the output is up to date")
     args = parser.parse_args(argv)
-    source = args.source or default_source()
+    source = args.source or recorded_source(args.output) or default_source()
     if not source.exists():
         parser.error(f"source {source} does not exist")
     output = args.output
