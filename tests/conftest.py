@@ -10,14 +10,14 @@ import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
 from scripts.launcher.triton_server import running_server
-from scripts.paths import PROJECT_ROOT
+from scripts.paths import default_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    path = Path(os.environ.get(MODEL_DIR_ENV, PROJECT_ROOT / "build" / "model"))
+    path = default_model_dir()
     if not (path / ONNX_FILE).is_file():
         pytest.fail(f"no exported model at {path}: run `make model` (make test does it)")
     return path

@@ -3,11 +3,20 @@ bounds a hung server or process, never a claim about the machine's speed."""
 
 from __future__ import annotations
 
+import queue
 import re
 import time
 import urllib.request
 
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from python_backend.engine.loop import generate
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.sequence import Sequence
 from python_backend.runtime.decoder import ServingLimits
+from scripts.clients.llm_client import GenerateClient, triton_inputs
+from scripts.launcher.server_metrics import read_metrics
 from scripts.paths import MODEL_REPOSITORY
 
 NO_EOS = 49151  # an end_id that the model practically never emits: generation runs to max_tokens
@@ -30,8 +39,6 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str
 
 def metrics(server, strategy: str = "continuous", model: str = "llm") -> dict[str, float]:
     """The llm model's custom metrics under its model and strategy labels (empty if no model reports them)."""
-    from scripts.launcher.server_metrics import read_metrics
-
     return read_metrics(f"127.0.0.1:{server.metrics}", model=model, strategy=strategy)
 
 
@@ -48,8 +55,6 @@ def wait_idle(server, strategy: str = "continuous", timeout_s: float = 300) -> d
 
 def assert_ready(server) -> None:
     """Triton says ready, and a small request is served."""
-    from scripts.clients.llm_client import GenerateClient
-
     with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/v2/health/ready", timeout=10) as response:
         assert response.status == 200
     assert GenerateClient(f"127.0.0.1:{server.http}").complete({"text_input": "Hi", "max_tokens": 2}).output_tokens
@@ -66,10 +71,6 @@ class BackgroundStream:
     and notes the final response."""
 
     def __init__(self, server, request: dict):
-        import tritonclient.grpc as grpcclient
-
-        from scripts.clients.llm_client import triton_inputs
-
         self.tokens, self.final = 0, False
         self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
         self.client.start_stream(callback=self._on_response)
@@ -103,8 +104,6 @@ class BackgroundStream:
 
 def llm_request(prompt_ids: list[int], max_tokens: int, **sampling) -> dict:
     """The inputs of a direct request to the llm model: name -> (value, numpy dtype, Triton dtype)."""
-    import numpy as np
-
     inputs = {"input_ids": (prompt_ids, np.int32, "INT32"), "max_tokens": (max_tokens, np.int32, "INT32")}
     for name, value in sampling.items():
         dtype, triton_type = {"seed": (np.uint64, "UINT64")}.get(name, (np.float32, "FP32"))
@@ -115,11 +114,6 @@ def llm_request(prompt_ids: list[int], max_tokens: int, **sampling) -> dict:
 def llm_stream(server, inputs: dict, timeout_s: float = 300) -> tuple[list[int], str | None]:
     """One direct request to the decoupled llm model over a gRPC stream: (all generated ids, error message or
     None)."""
-    import queue
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -158,13 +152,28 @@ def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_ar
     return new[: stops[0]] if stops else new
 
 
+def outputs_alone(decoder, sequences: list[Sequence]) -> list[list[int]]:
+    """Each sequence's greedy output ids, run by itself through the engine: what batching must not change."""
+    for seq in sequences:
+        generate(decoder, [seq])
+    return [seq.output_ids for seq in sequences]
+
+
+def fail_choice_after(seq: Sequence, tokens: int, message: str = "the logits are not finite") -> None:
+    """Makes seq's next-token choice raise FloatingPointError(message) once it has generated this many tokens."""
+    real_choose = seq.chooser.choose
+
+    def choose_then_fail(logits, generated):
+        if len(generated) == tokens:
+            raise FloatingPointError(message)
+        return real_choose(logits, generated)
+
+    seq.chooser.choose = choose_then_fail
+
+
 def generate_staggered(decoder, prompt_ids: list[list[int]], strategy: str = "continuous") -> list[list[int]]:
     """The engine's greedy output ids for these prompts, run together with max_tokens 8, 14, 20, 26, 8, ... so that
     rows leave the batch while others run (and, continuous, join it)."""
-    from python_backend.engine.loop import generate
-    from python_backend.engine.sampling import SamplingParams
-    from python_backend.engine.sequence import Sequence
-
     sequences = [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=8 + 6 * (i % 4), end_ids=(2,)))
                  for i, p in enumerate(prompt_ids)]
     generate(decoder, sequences, strategy=strategy)

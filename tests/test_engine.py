@@ -11,6 +11,7 @@ from python_backend.engine.scheduler import SchedulerConfig, length_sorted_chunk
 from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
 from python_backend.runtime.fault_injection import FaultyDecoder
+from tests.helpers import fail_choice_after, outputs_alone
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):", "Name a color."]
 MAX_TOKENS = [12, 6, 10, 8, 5]
@@ -33,12 +34,8 @@ def make(prompts, max_tokens=MAX_TOKENS, **params):
 
 @pytest.fixture(scope="module")
 def alone(decoder, prompts):
-    answers = []
-    for p, n in zip(prompts, MAX_TOKENS):
-        [seq], _ = make([p], [n])
-        generate(decoder, [seq])
-        answers.append(seq.output_ids)
-    return answers
+    seqs, _ = make(prompts)
+    return outputs_alone(decoder, seqs)
 
 
 def assert_each_stream_adds_up_and_ends_once(seqs, events):
@@ -309,14 +306,7 @@ def test_a_failing_choice_fails_only_its_own_sequence(decoder, prompts, alone):
     poisoned = seqs[-1]
     errors = []
     poisoned.on_error = lambda s, error: errors.append(str(error))
-    real_choose = poisoned.chooser.choose
-
-    def choose_then_fail(logits, generated):
-        if len(generated) == 2:
-            raise FloatingPointError("the logits are not finite")
-        return real_choose(logits, generated)
-
-    poisoned.chooser.choose = choose_then_fail
+    fail_choice_after(poisoned, 2)
     run_to_end(Engine(decoder, SchedulerConfig(kv_budget_tokens=100000)), seqs)
     assert errors == ["the logits are not finite"] and len(poisoned.output_ids) == 2
     assert [s.output_ids for s in seqs[:-1]] == alone

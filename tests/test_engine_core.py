@@ -3,12 +3,12 @@
 import pytest
 
 from python_backend.engine.core import EngineCore
-from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, Failed, NewTokens, Prefilled, StepOutput
 from python_backend.runtime.fault_injection import FaultyDecoder
+from tests.helpers import fail_choice_after, outputs_alone
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):"]
 
@@ -45,12 +45,7 @@ def tokens_of(seq, outputs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone(decoder, prompts):
-    answers = []
-    for prompt in prompts:
-        seqs = make([prompt], [8])
-        generate(decoder, seqs)
-        answers.append(seqs[0].output_ids)
-    return answers
+    return outputs_alone(decoder, make(prompts, [8] * len(prompts)))
 
 
 def test_a_requests_tokens_arrive_in_the_events_of_successive_steps(decoder, prompts, alone):
@@ -101,14 +96,7 @@ def test_a_cancel_that_comes_before_its_sequence_ends_it_when_it_is_added(decode
 def test_a_failed_choice_fails_only_its_own_row(decoder, prompts, alone):
     seqs = make(prompts, [8] * len(prompts))
     poisoned = seqs[2]
-    real_choose = poisoned.chooser.choose
-
-    def choose_then_fail(logits, generated):
-        if len(generated) == 3:
-            raise FloatingPointError("the logits are not finite")
-        return real_choose(logits, generated)
-
-    poisoned.chooser.choose = choose_then_fail
+    fail_choice_after(poisoned, 3)
     outputs = run(core(decoder, strategy="continuous"), seqs)
     [failing_step] = [out for out in outputs if out.failed]
     assert failing_step.failed == [Failed(poisoned, failing_step.failed[0].error)]

@@ -9,6 +9,7 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import length_sorted_chunks
 from python_backend.engine.sequence import Sequence
+from tests.helpers import outputs_alone
 
 PROMPTS = [
     "What is the capital of France?",
@@ -30,12 +31,7 @@ def sequences(prompts, max_tokens=12, eos=(2,)):
 
 @pytest.fixture(scope="module")
 def alone(decoder, prompts):
-    answers = []
-    for prompt in prompts:
-        [seq] = sequences([prompt])
-        generate(decoder, [seq])
-        answers.append(seq.output_ids)
-    return answers
+    return outputs_alone(decoder, sequences(prompts))
 
 
 def test_each_prompt_generates_something(alone):
