@@ -74,7 +74,7 @@ def test_finished_sequences_leave_the_batch_at_once(decoder, prompts):
         eng.submit(seq)
     eng.step()
     eng.step()
-    assert seqs[1].finished and eng.core.running == [seqs[0]] and eng.core.batch.size == 1
+    assert seqs[1].finished and eng.core.running == [seqs[0]] and eng.core.cache.size == 1
 
 
 @pytest.mark.parametrize("strategy", ["dynamic", "static"])
@@ -95,7 +95,7 @@ def test_static_waits_for_its_batch_then_keeps_finished_rows(decoder, prompts):
     assert seqs[1].finished and len(eng.core.running) == 3, "a finished row stays until the batch ends"
     while eng.step():
         pass
-    assert eng.observer.padding_tokens > 0 and eng.core.batch is None
+    assert eng.observer.padding_tokens > 0 and eng.core.cache.size == 0
 
 
 def test_static_timeout_starts_a_partial_batch(decoder, prompts):
@@ -133,7 +133,7 @@ def test_cancel_frees_the_sequence_within_one_step(decoder, prompts):
     eng.step()
     eng.cancel(seqs[0].key)
     eng.step()
-    assert seqs[0].finish_reason == "cancelled" and eng.core.running == [seqs[1]] and eng.core.batch.size == 1
+    assert seqs[0].finish_reason == "cancelled" and eng.core.running == [seqs[1]] and eng.core.cache.size == 1
     assert events[-1][0] == seqs[1].key and [e for e in events if e[0] == seqs[0].key][-1][2] is True
 
 
@@ -165,7 +165,7 @@ def test_the_kv_budget_holds_a_request_back_until_it_fits(decoder, prompts, alon
         assert list(eng.core.waiting) == [seqs[1]]
         eng.step()
     while eng.step():
-        assert eng.core.batch is None or eng.core.batch.size * eng.core.batch.cache_len <= need_first + 1
+        assert eng.core.cache.size * eng.core.cache.cache_len <= need_first + 1
     assert [s.output_ids for s in seqs] == alone[:2]
 
 
@@ -326,7 +326,7 @@ def test_a_failing_decode_step_ends_every_running_request_at_once_and_the_next_o
         eng.submit(seq)
     eng.step()  # prefill, then the failing decode: every running sequence gets its error now
     assert sorted(errors) == sorted(s.key for s in seqs) and all(s.final_sent for s in seqs)
-    assert eng.core.running == [] and eng.core.batch is None
+    assert eng.core.running == [] and eng.core.cache.size == 0
     later, _ = make(prompts[clean:clean + 1], MAX_TOKENS[clean:clean + 1])
     run_to_end(eng, later)
     assert later[0].output_ids == alone[clean]

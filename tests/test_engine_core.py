@@ -77,7 +77,7 @@ def test_a_cancelled_sequence_appears_as_finished_and_cancelled_in_the_next_step
     out = eng.step()
     assert out.finished == [waiting, running] and running.finish_reason == waiting.finish_reason == "cancelled"
     assert [(e.ids, e.finished) for e in out.new_tokens if e.seq is waiting] == [([], True)]
-    assert eng.running == [other] and not eng.waiting and eng.batch.size == 1
+    assert eng.running == [other] and not eng.waiting and eng.cache.size == 1
     assert [e.seq for e in out.new_tokens] == [waiting, running, other], "the others step on"
     while eng.step().progressed:
         pass
@@ -117,7 +117,7 @@ def test_a_failed_decode_step_is_the_steps_error_and_fails_its_whole_batch(decod
     out = eng.step()
     assert "injected fault: a decode step" in str(out.error) and out.progressed and out.state is None
     assert [f.seq for f in out.failed] == seqs and all(f.error is out.error for f in out.failed)
-    assert eng.running == [] and eng.batch is None
+    assert eng.running == [] and eng.cache.size == 0
 
 
 def test_static_waits_for_its_batch_and_keeps_finished_rows_as_padding(decoder, prompts):
@@ -134,7 +134,7 @@ def test_static_waits_for_its_batch_and_keeps_finished_rows_as_padding(decoder, 
         decodes += [(e.batch_size, e.dead_rows) for e in out.events if isinstance(e, Decoded)]
         rows.append(len(eng.running))
     assert decodes == [(3, 1), (3, 1), (3, 2), (3, 2), (3, 2)], "every decode computes all three rows"
-    assert rows == [3, 3, 3, 3, 0] and eng.batch is None
+    assert rows == [3, 3, 3, 3, 0] and eng.cache.size == 0
 
 
 def test_dynamic_lets_finished_rows_go_at_once(decoder, prompts):

@@ -11,8 +11,9 @@ from contextlib import nullcontext
 import numpy as np
 
 from python_backend.engine.batch_sampling import choose_next
-from python_backend.engine.kv_batch import KVBatch
-from python_backend.engine.scheduler import Scheduler, SchedulerConfig, padded_cache_bound
+from python_backend.engine.kv_batch import PaddedKVCache
+from python_backend.engine.kv_slots import SlotKVCache
+from python_backend.engine.scheduler import Scheduler, SchedulerConfig, cache_bound
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, EngineState, Event, Failed, NewTokens, Prefilled, StepOutput
 from python_backend.errors import InvalidRequestError, UnavailableError
@@ -26,6 +27,15 @@ class QueueFullError(UnavailableError):
     """The waiting queue is at its bound: the client should retry later (503 / UNAVAILABLE)."""
 
 
+def open_kv_cache(decoder, config: SchedulerConfig):
+    """The KV cache the decoder's graph writes: slots written in place (a fused graph), else a padded batch."""
+    if getattr(decoder, "kv_layout", "padded") == "slots":
+        if not config.max_context_length:
+            raise ValueError("a slot KV cache needs the scheduler config's max_context_length (the slots' length)")
+        return SlotKVCache(decoder, config.max_batch_size, config.max_context_length)
+    return PaddedKVCache(decoder)
+
+
 class EngineCore:
     """The queues, the running batch's KV cache, and one step at a time: no thread, no callbacks; the scheduler
     decides. decoder: any runtime of python_backend/runtime/ (the interface is in python_backend/runtime/decoder.py).
@@ -36,12 +46,15 @@ class EngineCore:
 
     def __init__(self, decoder, config: SchedulerConfig, intake_lock=None):
         self.decoder = decoder
+        self.cache = open_kv_cache(decoder, config)
+        if config.kv_layout != self.cache.layout:
+            raise ValueError(f"the scheduler counts a {config.kv_layout} KV cache, the decoder writes "
+                             f"{self.cache.layout}")
         self.config = config
         self.scheduler = Scheduler(config)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not computed yet
-        self.running: list[Sequence] = []  # the rows of batch, in order
-        self.batch: KVBatch | None = None
+        self.running: list[Sequence] = []  # the rows of the cache, in order
         self._next_tokens = np.zeros(0, np.int64)  # each row's last chosen token, fed at the next decode
         self._cancelled: dict[str, float] = {}  # key -> when the cancel arrived
         self._intake_lock = nullcontext() if intake_lock is None else intake_lock
@@ -54,12 +67,15 @@ class EngineCore:
     def add(self, sequence: Sequence) -> list[Event]:
         """Queues a sequence, or returns its final event at once when a cancel for it came first. Raises
         InvalidRequestError when it can never fit the KV budget, QueueFullError when the waiting queue is full."""
-        need = padded_cache_bound([sequence], 0)
+        need = cache_bound(self.config.kv_layout, [sequence], 0)
         if need > self.config.kv_budget_tokens:
             raise InvalidRequestError(
                 f"prompt + max_tokens need {need} KV-cache slots, more than the budget of "
                 f"{self.config.kv_budget_tokens}"
             )
+        if self.config.max_context_length and sequence.reserved_tokens() > self.config.max_context_length:
+            raise InvalidRequestError(f"prompt + max_tokens are {sequence.reserved_tokens()} tokens, more than the "
+                                      f"context length of {self.config.max_context_length}")
         if self._cancelled.pop(sequence.key, None) is not None:  # its client left before it got here
             sequence.finish_reason = "cancelled"
             return list(self._emit(sequence))
@@ -108,7 +124,7 @@ class EngineCore:
             cancelled = self._apply_cancellations()
             busy = self.running + self.prefilling
             self.prefilling += self.scheduler.admit(
-                self.waiting, busy, self.batch.cache_len if self.batch else 0, time.monotonic()
+                self.waiting, busy, self.cache.cache_len, time.monotonic()
             )
         for seq in cancelled:
             yield from self._emit(seq)
@@ -119,8 +135,7 @@ class EngineCore:
         if decoding:
             yield from self._decode()
         self._retire()
-        kv_bytes = self.batch.cache_bytes() if self.batch else 0
-        state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), kv_bytes)
+        state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), self.cache.cache_bytes())
         if state != self._reported_state or chunks or decoding:
             self._reported_state = out.state = state
         out.progressed = bool(chunks) or decoding or bool(cancelled)
@@ -158,22 +173,19 @@ class EngineCore:
                     yield from self._fail(seq, single_error)
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
-        batch, logits, padding = KVBatch.prefill(self.decoder, [s.prompt_ids for s in sequences])
-        yield Prefilled(batch.size * batch.cache_len, padding)
+        logits, computed, padding = self.cache.prefill([s.prompt_ids for s in sequences],
+                                                       [s.reserved_tokens() for s in sequences])
+        self.running += sequences  # the cache's new rows, in order
         tokens, failed = choose_next(sequences, logits)
+        self._next_tokens = np.concatenate([self._next_tokens, tokens])
+        yield Prefilled(computed, padding)
         for seq, error in failed:
             yield from self._fail(seq, error)
         for seq in sequences:
             yield from self._emit(seq)
-        if self.batch is None:
-            self.batch, self.running, self._next_tokens = batch, list(sequences), tokens
-        else:
-            self.batch.extend(batch)
-            self.running += sequences
-            self._next_tokens = np.concatenate([self._next_tokens, tokens])
 
     def _decode(self) -> Iterator[Event]:
-        logits = self.batch.step(self.decoder, self._next_tokens)
+        logits = self.cache.step(self._next_tokens)
         live = [row for row, s in enumerate(self.running) if not s.finished]
         yield Decoded(len(self.running), len(self.running) - len(live))
         chosen, failed = choose_next([self.running[r] for r in live], logits[live])
@@ -188,18 +200,16 @@ class EngineCore:
         keep = self.scheduler.rows_to_keep(self.running)
         if len(keep) == len(self.running):
             return
-        if not keep:
-            self.batch, self.running, self._next_tokens = None, [], np.zeros(0, np.int64)
-            return
-        self.batch.select(keep)
-        self.running = [self.running[r] for r in keep]
-        self._next_tokens = self._next_tokens[keep]
+        order = self.cache.select(keep)
+        self.running = [self.running[r] for r in order]
+        self._next_tokens = self._next_tokens[order]
 
     def _fail_all(self, error: Exception) -> Iterator[Event]:
         """An error that cannot be pinned on one request: every request in the batch or being prefilled ends
         with it at once."""
         failing = self.running + self.prefilling
-        self.batch, self.running, self.prefilling = None, [], []
+        self.cache.clear()
+        self.running, self.prefilling = [], []
         self._next_tokens = np.zeros(0, np.int64)
         for seq in failing:
             yield from self._fail(seq, error)

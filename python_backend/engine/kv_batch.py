@@ -96,3 +96,54 @@ def _stack_right_aligned(tensors, top, bottom, length: int):
     index[0], index[axis] = slice(top.shape[0], None), slice(length - bottom.shape[axis], None)
     out[tuple(index)] = bottom
     return out
+
+
+class PaddedKVCache:
+    """The running batch's KVBatch behind the interface the engine's core uses for every cache layout (the
+    other: kv_slots.SlotKVCache): prefill appends rows, step feeds one token per row, select keeps rows."""
+
+    layout = "padded"
+    kv_peak_factor = KV_PEAK_FACTOR
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.batch: KVBatch | None = None
+
+    @property
+    def size(self) -> int:
+        return self.batch.size if self.batch else 0
+
+    @property
+    def cache_len(self) -> int:
+        return self.batch.cache_len if self.batch else 0
+
+    def real_tokens(self) -> int:
+        return self.batch.real_tokens() if self.batch else 0
+
+    def cache_bytes(self) -> int:
+        return self.batch.cache_bytes() if self.batch else 0
+
+    def prefill(self, prompts: list[list[int]], reserved: list[int]) -> tuple[np.ndarray, int, int]:
+        """Prefills the prompts as one left-padded batch and appends it. Returns each prompt's last-position
+        logits [rows, vocab], the positions computed and the padding among them."""
+        batch, logits, padding = KVBatch.prefill(self.decoder, prompts)
+        computed = batch.size * batch.cache_len
+        if self.batch is None:
+            self.batch = batch
+        else:
+            self.batch.extend(batch)
+        return logits, computed, padding
+
+    def step(self, next_tokens: np.ndarray) -> np.ndarray:
+        return self.batch.step(self.decoder, next_tokens)
+
+    def select(self, rows: list[int]) -> list[int]:
+        """Keeps these rows, in this order; returns it."""
+        if not rows:
+            self.batch = None
+        else:
+            self.batch.select(rows)
+        return list(rows)
+
+    def clear(self) -> None:
+        self.batch = None

@@ -177,6 +177,8 @@ def generate(decoder, sequences: list[Sequence], strategy: str = "dynamic") -> E
         max_batch_size=len(sequences),
         static_batch_size=len(sequences),
         kv_budget_tokens=sum(s.reserved_tokens() for s in sequences) * len(sequences),
+        kv_layout=getattr(decoder, "kv_layout", "padded"),
+        max_context_length=max(s.reserved_tokens() for s in sequences),
         max_queue_size=len(sequences),
     )
     core, observer = EngineCore(decoder, config), EngineObserver()

@@ -20,10 +20,12 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from python_backend.engine.kv_batch import KV_PEAK_FACTOR
+from python_backend.engine.kv_batch import PaddedKVCache
+from python_backend.engine.kv_slots import SlotKVCache
 from python_backend.engine.sequence import Sequence
 
 STRATEGIES = ("continuous", "dynamic", "static")
+KV_LAYOUTS = {cache.layout: cache for cache in (PaddedKVCache, SlotKVCache)}
 
 # A padded position costs as much as a real one, and each extra chunk about as much as 14 positions (SmolLM2, 2 CPU
 # cores): prefilling the benchmark's 32 prompts took 0.83 s at 10 %, 0.93 s at 25 % and 1.03 s with no padding.
@@ -34,7 +36,9 @@ PREFILL_MAX_PADDING = 0.10
 class SchedulerConfig:
     strategy: str = "continuous"
     max_batch_size: int = 32  # most sequences decoded together
-    kv_budget_tokens: int = 65536  # bound on cache slots, padding included (rows x longest row)
+    kv_budget_tokens: int = 65536  # bound on cached tokens (padded: rows x longest row; slots: each row's own)
+    kv_layout: str = "padded"  # the decoder's: "padded" (kv_batch.py) or "slots" (kv_slots.py)
+    max_context_length: int | None = None  # most prompt + max_tokens of one sequence (the slots' length)
     max_queue_size: int = 256  # waiting sequences beyond this are refused (503 / UNAVAILABLE)
     max_prefill_tokens: int = 1024  # continuous: prompt tokens prefilled per step, at least one sequence
     static_batch_size: int = 8
@@ -44,22 +48,35 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"batching strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"KV layout must be one of {tuple(KV_LAYOUTS)}, got {self.kv_layout!r}")
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int) -> "SchedulerConfig":
-        """From the llm model's config.pbtxt parameters. The KV budget bounds the real peak of cache memory,
-        KV_PEAK_FACTOR times the padded cache (python_backend/engine/kv_batch.py)."""
+    def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int,
+                        kv_layout: str = "padded", max_context_length: int | None = None) -> "SchedulerConfig":
+        """From the llm model's config.pbtxt parameters. The KV budget bounds the real peak of cache memory: for
+        the padded cache, twice the cache (kv_batch.KV_PEAK_FACTOR); for slots written in place, the rows' tokens."""
         budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
+        peak_factor = KV_LAYOUTS[kv_layout].kv_peak_factor
         return cls(
             strategy=params["batching_strategy"],
             max_batch_size=max_batch_size,
-            kv_budget_tokens=budget_bytes // (KV_PEAK_FACTOR * kv_bytes_per_token),
+            kv_budget_tokens=budget_bytes // (peak_factor * kv_bytes_per_token),
+            kv_layout=kv_layout,
+            max_context_length=max_context_length or int(params.get("max_context_length") or 0) or None,
             max_queue_size=int(params["max_queue_size"]),
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
             static_timeout_s=float(params["static_timeout_ms"]) / 1000,
             length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
         )
+
+
+def cache_bound(layout: str, sequences: list[Sequence], cache_len: int) -> int:
+    """Most tokens the cache of these sequences can ever hold, in the given layout."""
+    if layout == "slots":  # each row in its own slot, at most its reservation (kv_slots.py)
+        return sum(s.reserved_tokens() for s in sequences)
+    return padded_cache_bound(sequences, cache_len)
 
 
 def padded_cache_bound(sequences: list[Sequence], cache_len: int) -> int:
@@ -144,7 +161,7 @@ class Scheduler:
                 continue
             if taken and prefill_tokens is not None and prompt_tokens + len(candidate.prompt_ids) > prefill_tokens:
                 break
-            if padded_cache_bound(running + taken + [candidate], cache_len) > c.kv_budget_tokens:
+            if cache_bound(c.kv_layout, running + taken + [candidate], cache_len) > c.kv_budget_tokens:
                 break
             taken.append(waiting.popleft())
             prompt_tokens += len(candidate.prompt_ids)

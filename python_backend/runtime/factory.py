@@ -89,6 +89,17 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
     from python_backend.model_files import ONNX_FILE
 
     onnx_path = model_dir / ONNX_FILE
+    from python_backend.runtime.onnx_slot_decoder import is_fused_graph
+
+    if onnx_path.is_file() and is_fused_graph(onnx_path):
+        if settings.runtime != "onnxruntime":
+            raise RuntimeUnavailableError(
+                f"{onnx_path} is a fused graph (QUANT=fast: onnxruntime's GroupQueryAttention, its KV cache written "
+                f"in place); this project runs it on the CPU runtime only, not {settings.runtime!r}: serve the "
+                "standard export on a GPU (docs/gpu.md)")
+        from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+
+        return OnnxSlotDecoder(onnx_path, settings.intra_op_threads)
     if settings.runtime == "onnxruntime":
         from python_backend.runtime.onnx_decoder import OnnxDecoder
         from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
@@ -103,6 +114,16 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
         engine = Path(settings.engine_path) if settings.engine_path else model_dir / ENGINE_FILE
         return TensorRTDecoder(_under(project_root, engine), limits, settings.device_id, onnx_path=onnx_path)
     return _onnxruntime_on_gpu(settings, onnx_path, tensors, limits, project_root)
+
+
+def cpu_decoder(onnx_path: Path, intra_op_threads: int = 0):
+    """The CPU decoder for an ONNX file, whichever graph it is (the tools' way in: parity, benchmarks)."""
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder, is_fused_graph
+
+    if is_fused_graph(onnx_path):
+        return OnnxSlotDecoder(onnx_path, intra_op_threads)
+    return OnnxDecoder(onnx_path, intra_op_threads)
 
 
 def cuda_tensors(runtime: str, device_id: int) -> TorchTensors:

@@ -22,19 +22,26 @@ class FaultyDecoder:
     def __init__(self, decoder, prefill_token: int | None = None, decode_token: int | None = None):
         self.decoder, self.prefill_token, self.decode_token = decoder, prefill_token, decode_token
         self.cache_shape, self.vocab_size, self.tensors = decoder.cache_shape, decoder.vocab_size, decoder.tensors
+        self.kv_layout = getattr(decoder, "kv_layout", "padded")
         self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
 
     def empty_cache(self, batch_size: int):
         return self.decoder.empty_cache(batch_size)
 
     def forward(self, input_ids, attention_mask, position_ids, past):
-        prefill = past[0].shape[2] == 0
+        self._check(input_ids, attention_mask, prefill=past[0].shape[2] == 0)
+        return self.decoder.forward(input_ids, attention_mask, position_ids, past)
+
+    def forward_in_place(self, input_ids, attention_mask, cache):
+        self._check(input_ids, attention_mask, prefill=input_ids.shape[1] == attention_mask.shape[1])
+        return self.decoder.forward_in_place(input_ids, attention_mask, cache)
+
+    def _check(self, input_ids, attention_mask, prefill: bool) -> None:
         if prefill:
             self.prefill_tokens.append(int(np.asarray(attention_mask).sum()))
         token = self.prefill_token if prefill else self.decode_token
         if token is not None and (np.asarray(input_ids) == token).any():
             raise InjectedFault(f"injected fault: a {'prefill' if prefill else 'decode step'} fed token {token}")
-        return self.decoder.forward(input_ids, attention_mask, position_ids, past)
 
 
 def maybe_faulty(decoder, spec: str | None = None):

@@ -9,6 +9,8 @@ Variants (weights only; activations, the KV cache and the graph's interface stay
   (scripts/prepare/block_quantization.py); the tied LM head stays fp32.
 - int4-fast: the same int4 layers and an 8-bit LM head, computed with int8 activations (accuracy_level 4): faster,
   no longer exact.
+- fast: int4-fast's weights in onnxruntime-genai's fused graph (scripts/prepare/fused_graph.py), whose attention
+  writes the KV cache in place (python_backend/engine/kv_slots.py): the fastest, not exact.
 - int8: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4, LM head
   included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured).
 - fp16: onnxruntime's ``convert_float_to_float16`` (fp32 inputs and outputs kept); for GPUs. Measured here too.
@@ -35,7 +37,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import block_quantization  # noqa: E402
+from scripts.prepare import block_quantization, fused_graph  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
@@ -53,11 +55,13 @@ class Recipe:
     accuracy_level: int = 1
     head_bits: int | None = None  # None: the LM head stays fp32
     residual: bool = True  # grid tool only
+    graph: str = "export"  # "export" (the fp32 export's graph) or "fused" (scripts/prepare/fused_graph.py)
 
 
 RECIPES = {
     "int4": Recipe("int4", bits=4),
     "int4-fast": Recipe("int4-fast", bits=4, accuracy_level=4, head_bits=8),
+    "fast": Recipe("fast", bits=4, accuracy_level=4, head_bits=8, graph="fused"),
     "int8": Recipe("int8", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8),
     "fp16": Recipe("fp16"),
 }
@@ -163,13 +167,18 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
     """Writes output/onnx/model.onnx (+ data) from source's; returns the build statistics."""
-    log(f"{recipe.name}: loading {source / ONNX_FILE}")
-    model = onnx.load(str(source / ONNX_FILE))
     stats: dict = {}
+    if recipe.graph == "fused":
+        log(f"{recipe.name}: onnxruntime-genai's fused graph of {source / 'hf'}")
+        model = fused_graph.build(source / "hf")
+        head = fused_graph.lm_head(model)
+    else:
+        log(f"{recipe.name}: loading {source / ONNX_FILE}")
+        model = onnx.load(str(source / ONNX_FILE))
+        head = untie_lm_head(model) if recipe.bits is not None and recipe.head_bits is not None else None
     if recipe.bits is None:
         model = to_fp16(model)
     else:
-        head = untie_lm_head(model) if recipe.head_bits is not None else None
         if recipe.tool == "onnxruntime":
             model = quantize_with_onnxruntime(model, recipe, head)
         else:

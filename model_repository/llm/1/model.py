@@ -49,8 +49,8 @@ class TritonPythonModel:
             max_stop_sequences=int(params["max_stop_sequences"]),
             max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
         )
-        config = SchedulerConfig.from_parameters(params, max_batch_size,
-                                                 decoder.cache_shape.bytes_per_token())
+        config = SchedulerConfig.from_parameters(params, max_batch_size, decoder.cache_shape.bytes_per_token(),
+                                                 getattr(decoder, "kv_layout", "padded"), max_context_length)
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})
         observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())

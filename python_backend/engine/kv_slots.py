@@ -1,0 +1,127 @@
+"""The KV cache of a fused in-place graph (python_backend/runtime/onnx_slot_decoder.py): one preallocated slot per
+running sequence, written in place by the graph, never copied by a step.
+
+Row r of the running batch lives in slot r, so the batch is always the first ``size`` slots, one contiguous view
+of each layer's buffer. A prefill writes its rows into the next free slots; a step appends one token per row at
+that row's own length (no padding, no copy); when rows leave, the last rows move into the holes (one copy of each
+moved row's tokens, made only when membership changes) and the freed slots' memory goes back to the system.
+
+Memory: each layer's key and value buffer is reserved up front for ``slots x max_len`` tokens, but as anonymous
+memory that the system backs only where it is written (and that ``release`` gives back). What is resident is the
+rows' tokens, each row at most its reservation (prompt + max_tokens): that sum is what the scheduler's admission
+bounds by the KV budget, and no step holds a second copy of the cache (``kv_peak_factor`` 1, against the padded
+cache's 2).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+class SlotKVCache:
+    layout = "slots"
+    kv_peak_factor = 1
+
+    def __init__(self, decoder, slots: int, max_len: int):
+        shape = decoder.cache_shape
+        self.decoder = decoder
+        row_bytes = shape.num_kv_heads * shape.head_dim * np.dtype(shape.dtype).itemsize
+        # A slot spans whole pages (so that release() frees exactly its own) when max_len is a multiple of this.
+        self.align_tokens = PAGE_BYTES // math.gcd(PAGE_BYTES, row_bytes)
+        self.slots = slots
+        self.max_len = -(-max_len // self.align_tokens) * self.align_tokens
+        self.bytes_per_token = shape.bytes_per_token()
+        slot_shape = (slots, shape.num_kv_heads, self.max_len, shape.head_dim)
+        nbytes = int(np.prod(slot_shape)) * np.dtype(shape.dtype).itemsize
+        self._maps = [mmap.mmap(-1, nbytes) for _ in shape.cache_names()]
+        self._buffers = [np.frombuffer(m, shape.dtype).reshape(slot_shape) for m in self._maps]
+        self._slot_bytes = nbytes // slots
+        self.lengths = np.zeros(0, np.int64)  # tokens held by each row
+        self.reserved = np.zeros(0, np.int64)  # most tokens each row may hold (prompt + max_tokens)
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def cache_len(self) -> int:
+        return int(self.lengths.max()) if self.size else 0
+
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def cache_bytes(self) -> int:
+        """Bytes of the rows' tokens, as the system holds them (whole pages)."""
+        held = -(-self.lengths // self.align_tokens) * self.align_tokens
+        return int(held.sum()) * self.bytes_per_token
+
+    def _rows(self, start: int, stop: int) -> list[np.ndarray]:
+        return [b[start:stop] for b in self._buffers]
+
+    def prefill(self, prompts: list[list[int]], reserved: list[int]) -> tuple[np.ndarray, int, int]:
+        """Writes the prompts into the next free slots as one right-padded batch. Returns each prompt's
+        last-position logits [rows, vocab], the positions computed and the padding among them."""
+        start, rows = self.size, len(prompts)
+        if start + rows > self.slots:
+            raise ValueError(f"{start + rows} rows do not fit {self.slots} KV-cache slots")
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        if lengths.min() < 1 or max(reserved) > self.max_len:
+            raise ValueError(f"a prompt must hold 1 to {self.max_len} tokens with its max_tokens")
+        longest = int(lengths.max())
+        input_ids = np.zeros((rows, longest), np.int64)
+        mask = (np.arange(longest)[None, :] < lengths[:, None]).astype(np.int64)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, : len(prompt)] = prompt
+        try:
+            logits = self.decoder.forward_in_place(input_ids, mask, self._rows(start, start + rows))
+        except Exception:
+            self.release(range(start, start + rows))
+            raise
+        self.lengths = np.concatenate([self.lengths, lengths])
+        self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
+        return logits[np.arange(rows), lengths - 1], rows * longest, rows * longest - int(lengths.sum())
+
+    def step(self, next_tokens: np.ndarray) -> np.ndarray:
+        """Feeds one token per row, each appended at its row's length; returns logits [rows, vocab]. A row at its
+        reservation (a finished row that static batching keeps computing) overwrites its last position instead of
+        growing."""
+        grown = np.minimum(self.lengths + 1, self.reserved)
+        mask = (np.arange(int(grown.max()))[None, :] < grown[:, None]).astype(np.int64)
+        logits = self.decoder.forward_in_place(next_tokens.reshape(-1, 1), mask, self._rows(0, self.size))
+        self.lengths = grown
+        return logits[:, -1, :]
+
+    def select(self, rows: list[int]) -> list[int]:
+        """Keeps these rows (ascending): the last kept rows move into the holes that leaving rows opened below
+        them. Returns the rows' new order, as old row indices."""
+        kept = len(rows)
+        staying = {r for r in rows if r < kept}
+        holes = [slot for slot in range(kept) if slot not in staying]
+        movers = [r for r in rows if r >= kept]
+        order = list(range(kept))
+        for hole, row in zip(holes, movers):
+            used = int(self.lengths[row])
+            for buffer in self._buffers:
+                buffer[hole, :, :used] = buffer[row, :, :used]
+            order[hole] = row
+        self.release(range(kept, self.size))
+        self.lengths, self.reserved = self.lengths[order], self.reserved[order]
+        return order
+
+    def clear(self) -> None:
+        self.release(range(self.size))
+        self.lengths, self.reserved = np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+    def release(self, slots) -> None:
+        """Gives the slots' memory back to the system (reads as zeros after)."""
+        slots = list(slots)
+        if not slots:
+            return
+        start, stop = min(slots) * self._slot_bytes, (max(slots) + 1) * self._slot_bytes
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED, start, stop - start)

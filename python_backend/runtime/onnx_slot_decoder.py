@@ -1,0 +1,67 @@
+"""A fused decoder graph whose attention writes the KV cache in place, on onnxruntime's CPU provider.
+
+The graph is onnxruntime-genai's model builder's (scripts/prepare/fused_graph.py): ``GroupQueryAttention`` with
+rotary embedding inside, fused norms, one packed QKV MatMul. Its interface: inputs ``input_ids`` [rows, new] and
+``attention_mask`` [rows, total] (int64), ``past_key_values.{i}.key/.value``; outputs ``logits`` [rows, new, vocab]
+and ``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
+
+Bound to one buffer for both the past and the present, ``GroupQueryAttention`` appends each row's new keys and
+values at that row's own length, where the mask says it ends, instead of copying the cache into a longer present:
+the cache is preallocated, one slot per row, and never copied by a step (python_backend/engine/kv_slots.py owns
+the slots). What onnxruntime's CPU kernel takes (seen with onnxruntime 1.32, docs/architecture.md):
+- a first prompt: any number of rows, right-padded, ``new == total`` (the mask's ones mark each row's tokens);
+- a decode step: one new token per row, any rows, each with its own length;
+- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+
+from python_backend.runtime.decoder import CacheShape, HostTensors
+from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
+
+FUSED_ATTENTION_OP = "GroupQueryAttention"
+
+
+def is_fused_graph(model_path: str | os.PathLike) -> bool:
+    """Whether the ONNX file is a fused in-place graph (read from its nodes, without loading its weights)."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    inputs = {i.name for i in graph.input}
+    return "position_ids" not in inputs and any(n.op_type == FUSED_ATTENTION_OP for n in graph.node)
+
+
+class OnnxSlotDecoder:
+    """``forward_in_place(input_ids, attention_mask, cache)``: ``cache`` holds one contiguous array per layer key and
+    value, [rows, kv_heads, max_len, head_dim] (views of the slots' buffers), bound as past and present at once.
+    Returns the logits of every new position, [rows, new, vocab]."""
+
+    kv_layout = "slots"
+    tensors = HostTensors()
+
+    def __init__(self, model_path: str | os.PathLike, intra_op_threads: int = 0,
+                 session: ort.InferenceSession | None = None):
+        self.session = session or cpu_session(model_path, intra_op_threads)
+        self.cache_shape: CacheShape = graph_cache_shape(self.session)
+        self.vocab_size = int(self.session.get_outputs()[0].shape[-1])
+        self._past_names = self.cache_shape.cache_names()
+        self._present_names = self.cache_shape.present_names()
+
+    def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list[np.ndarray]) -> np.ndarray:
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        for past, present, array in zip(self._past_names, self._present_names, cache):
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{past} must be contiguous to be written in place")
+            value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the array's memory: no copy
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[-1].numpy()
