@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 RUNTIME ?= onnxruntime
 # QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
 # fp16, fast (the fused graph, its KV cache written in place; scripts/prepare/quantize.py). EXPORT_DIR holds the
-# fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU runtimes default to fp32: TensorRT cannot parse the variants' MatMulNBits, and a GPU has fp16 kernels of its own.
+# fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU runtimes default to fp32: TensorRT cannot parse the
+# variants' MatMulNBits, and a GPU has fp16 kernels of its own.
 QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
 QUANTS := int4 int4-fast int8 fp16 fast
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)

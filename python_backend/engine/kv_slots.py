@@ -38,7 +38,8 @@ class SlotKVCache:
         self.bytes_per_token = shape.bytes_per_token()
         slot_shape = (slots, shape.num_kv_heads, self.max_len, shape.head_dim)
         nbytes = int(np.prod(slot_shape)) * np.dtype(shape.dtype).itemsize
-        self._maps = [mmap.mmap(-1, nbytes) for _ in shape.cache_names()]
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a shared mapping would keep released pages)
+        self._maps = [mmap.mmap(-1, nbytes, flags=private) for _ in shape.cache_names()]
         self._buffers = [np.frombuffer(m, shape.dtype).reshape(slot_shape) for m in self._maps]
         self._slot_bytes = nbytes // slots
         self.lengths = np.zeros(0, np.int64)  # tokens held by each row

@@ -1,0 +1,177 @@
+"""The slot KV cache (python_backend/engine/kv_slots.py) on the real fused graph (QUANT=fast): rows that join, leave,
+are cancelled or fail never change another row's greedy answer; freed slots go back to the system; the scheduler
+counts each row's own reservation."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from python_backend.engine.core import EngineCore
+from python_backend.engine.kv_slots import SlotKVCache
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.engine.sequence import Sequence
+from python_backend.errors import InvalidRequestError
+from python_backend.model_files import ONNX_FILE
+from python_backend.runtime.decoder import CacheShape
+from python_backend.runtime.factory import cpu_decoder
+from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+from scripts.prepare.quantize import variant_dir
+from tests.helpers import fail_choice_after, outputs_alone
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "用一句话介绍一下长城。",
+    "List three colors.",
+    "def add(a, b):",
+]
+MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dir):
+    path = variant_dir(model_dir, "fast") / ONNX_FILE
+    if not path.is_file():
+        pytest.fail(f"no fast variant at {path.parent.parent}: run `make variants` (make test does)")
+    fused = cpu_decoder(path)
+    assert isinstance(fused, OnnxSlotDecoder)
+    return fused
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+
+
+def sequences(prompts):
+    return [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=m, end_ids=()))
+            for p, m in zip(prompts, MAX_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def alone(decoder, prompts):
+    return outputs_alone(decoder, sequences(prompts))
+
+
+def run(decoder, seqs, strategy="continuous", max_batch_size=8, budget=65536, on_step=None):
+    config = SchedulerConfig(strategy=strategy, max_batch_size=max_batch_size, kv_budget_tokens=budget,
+                             kv_layout="slots", max_context_length=512, static_batch_size=len(seqs))
+    core = EngineCore(decoder, config)
+    for seq in seqs:
+        core.add(seq)
+    while core.step().progressed:
+        if on_step:
+            on_step(core)
+    return core
+
+
+@pytest.mark.parametrize("strategy", ["continuous", "dynamic", "static"])
+def test_a_batch_of_slots_gives_each_row_its_answer_alone(decoder, prompts, alone, strategy):
+    seqs = sequences(prompts)
+    core = run(decoder, seqs, strategy)
+    assert [s.output_ids for s in seqs] == alone
+    assert core.cache.size == 0 and core.cache.cache_bytes() == 0
+
+
+def test_rows_join_freed_slots_and_moved_rows_keep_their_answers(decoder, prompts, alone):
+    seqs = sequences(prompts)
+    sizes = []
+    run(decoder, seqs, max_batch_size=2, on_step=lambda core: sizes.append(core.cache.size))
+    assert [s.output_ids for s in seqs] == alone
+    assert max(sizes) == 2 and len(sizes) > max(MAX_TOKENS), "rows joined as others left"
+
+
+def test_a_cancelled_row_leaves_and_the_others_are_unchanged(decoder, prompts, alone):
+    seqs = sequences(prompts)
+
+    def cancel_the_second(core):
+        if len(seqs[1].output_ids) == 3:
+            core.cancel(seqs[1].key)
+
+    run(decoder, seqs, on_step=cancel_the_second)
+    assert seqs[1].finish_reason == "cancelled" and len(seqs[1].output_ids) < MAX_TOKENS[1]
+    assert [s.output_ids for i, s in enumerate(seqs) if i != 1] == [a for i, a in enumerate(alone) if i != 1]
+
+
+def test_a_failing_row_leaves_and_the_others_are_unchanged(decoder, prompts, alone):
+    seqs = sequences(prompts)
+    fail_choice_after(seqs[0], 2)
+    run(decoder, seqs)
+    assert seqs[0].finish_reason == "error"
+    assert [s.output_ids for s in seqs[1:]] == alone[1:]
+
+
+def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservation(decoder, prompts):
+    seqs = sequences(prompts)
+    seen = []
+
+    def check(core):
+        cache = core.cache
+        assert np.all(cache.lengths <= cache.reserved)
+        held = -(-cache.lengths // cache.align_tokens) * cache.align_tokens
+        assert cache.cache_bytes() == int(held.sum()) * decoder.cache_shape.bytes_per_token()
+        seen.append(cache.size)
+
+    run(decoder, seqs, strategy="static", on_step=check)
+    assert max(seen) == len(seqs)
+
+
+def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(decoder, prompts):
+    seqs = sequences(prompts[:2])
+    budget = seqs[0].reserved_tokens() + seqs[1].reserved_tokens() - 1
+    config = SchedulerConfig(max_batch_size=8, kv_budget_tokens=budget, kv_layout="slots", max_context_length=512)
+    core = EngineCore(decoder, config)
+    for seq in seqs:
+        core.add(seq)
+    core.step()
+    assert core.running == [seqs[0]] and list(core.waiting) == [seqs[1]], "the second waits for room"
+    while core.step().progressed:
+        pass
+    assert all(s.finish_reason == "length" for s in seqs)
+    roomy = EngineCore(decoder, replace(config, kv_budget_tokens=65536))
+    with pytest.raises(InvalidRequestError, match="context length of 512"):
+        roomy.add(Sequence(prompt_ids=[1] * 500, params=SamplingParams(max_tokens=13)))
+
+
+class _ShapeOnly:
+    kv_layout = "slots"
+    cache_shape = CacheShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype=np.dtype(np.float32))
+
+
+def test_select_moves_the_last_rows_into_holes_and_frees_their_slots():
+    cache = SlotKVCache(_ShapeOnly(), slots=6, max_len=40)
+    assert cache.max_len % cache.align_tokens == 0 and cache.max_len >= 40
+    cache.lengths, cache.reserved = np.array([5, 7, 9, 11, 13, 3]), np.full(6, 40)
+    for buffer in cache._buffers:
+        for row in range(6):
+            buffer[row, :, : cache.lengths[row]] = row + 1
+    order = cache.select([0, 2, 4, 5])  # rows 1 and 3 leave: rows 4 and 5 fill slots 1 and 3
+    assert order == [0, 4, 2, 5]
+    assert cache.lengths.tolist() == [5, 13, 9, 3]
+    for buffer in cache._buffers:
+        for slot, row in enumerate(order):
+            assert np.all(buffer[slot, :, : cache.lengths[slot]] == row + 1)
+        assert not buffer[4:].any(), "freed slots went back to the system (they read as zeros)"
+    cache.clear()
+    assert cache.size == 0 and not any(b.any() for b in cache._buffers)
+
+
+def test_a_failed_prefill_adds_no_row():
+    class Failing(_ShapeOnly):
+        def forward_in_place(self, *args):
+            raise RuntimeError("boom")
+
+    cache = SlotKVCache(Failing(), slots=2, max_len=32)
+    with pytest.raises(RuntimeError):
+        cache.prefill([[1, 2, 3]], [10])
+    assert cache.size == 0
+
+
+def test_a_slot_cache_needs_a_context_length():
+    from python_backend.engine.core import open_kv_cache
+
+    with pytest.raises(ValueError, match="max_context_length"):
+        open_kv_cache(SimpleNamespace(kv_layout="slots"), SchedulerConfig(kv_layout="slots"))
