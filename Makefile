@@ -7,12 +7,13 @@ PY := $(VENV)/bin/python
 # onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
 # model_repository/ rendered into build/model_repository-RUNTIME (scripts/launcher/render_model_repository.py).
 RUNTIME ?= onnxruntime
-# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, int4-fast, int8,
-# fp16, fast (the fused graph, its KV cache written in place; scripts/prepare/quantize.py). EXPORT_DIR holds the
-# fp32 export; each variant lands in EXPORT_DIR-QUANT. The GPU runtimes default to fp32: TensorRT cannot parse the
-# variants' MatMulNBits, and a GPU has fp16 kernels of its own.
+# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, fast, int8, fp16
+# (scripts/prepare/quantize.py; int4-fast is fast's old name). EXPORT_DIR holds the fp32 export; each variant lands in
+# EXPORT_DIR-QUANT. int4, fast and int8 are fused graphs whose KV cache is written in place, for the CPU runtime; the
+# GPU runtimes default to fp32, the export's own graph (TensorRT parses neither the fused graph nor MatMulNBits).
 QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
-QUANTS := int4 int4-fast int8 fp16 fast
+override QUANT := $(patsubst int4-fast,fast,$(QUANT))
+QUANTS := int4 fast int8 fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
 MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))

@@ -1,6 +1,6 @@
 """The quantized variants side by side through the real server, one run, the same workload for each.
 
-    python -m scripts.bench.variant_benchmark --variants fp32,int4,int4-fast,int8,fp16     (make benchmark runs it too)
+    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast,int8,fp16     (make benchmark runs it too)
 
 For each variant a tritonserver serves its folder (scripts/prepare/quantize.py; fp32 is the export itself), continuous
 strategy. Columns: output tok/s of SINGLE_STREAM requests sent one at a time; output tok/s, TTFT p50/p95 of all N
@@ -110,7 +110,7 @@ def table(rows: list[VariantRow], n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="fp32,int4,int4-fast,int8,fp16")
+    parser.add_argument("--variants", default="fp32,int4,fast,int8,fp16")
     parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
