@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -99,7 +99,14 @@ test: variants
 	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest $(PYTEST_ARGS)
 
 benchmark: variants
-	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) --variants fp32,$(subst $(eval) ,$(comma),$(QUANTS))
+	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) \
+		--variants fp32,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
+
+# The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
+# on the benchmark's workload (~6 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
+benchmark-peers: variants
+	$(PY) -m scripts.bench.peers --build-only
+	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants fp32,int4,fast --peers
 
 sweep: model
 	$(PY) -m loadtests.sweep --runtime $(RUNTIME) $(SWEEP_ARGS)

@@ -45,7 +45,7 @@ from python_backend.model_files import ONNX_FILE, ModelSettings
 from python_backend.runtime.factory import RUNTIMES
 from python_backend.runtime.onnx_decoder import OnnxDecoder
 from python_backend.serving.tokenization import PromptTokenizer
-from scripts.bench import variant_benchmark
+from scripts.bench import peers, variant_benchmark
 from scripts.bench.workload import Row, log, median_run, percentile, server_row, through_server, workload
 from scripts.clients.llm_client import Completion, GrpcStreamClient
 from scripts.launcher.model_control import SERVED_MODELS, reload_llm
@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "(scripts/bench/variant_benchmark.py), each served from its own folder")
     parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR,
                         help="the fp32 export, beside which the variants' folders lie")
+    parser.add_argument("--peers", action="store_true",
+                        help="with --variants: llama.cpp's server and onnxruntime-genai's generator on the same "
+                             "workload beside them (scripts/bench/peers.py; build once: make benchmark-peers)")
     parser.add_argument("--output", type=Path, help="default: build/benchmark.json (--only-openai: "
                                                      "build/benchmark-openai.json)")
     args = parser.parse_args(argv)
@@ -323,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"weight variants: {args.variants}")
         variant_rows = variant_benchmark.run(args.variants.split(","), args.export_dir, requests, args.repeats)
         print("\n" + variant_benchmark.table(variant_rows, len(requests)))
+    peer_rows = []
+    if args.peers:
+        peer_rows = peers.peer_rows(requests)
+        print("\n" + variant_benchmark.comparison_table(variant_rows, peer_rows, len(requests)))
     if front_line:
         print("\n" + front_line)
         if args.only_openai:
@@ -331,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"requests": len(requests), "raw_decode_tokens_per_s": raw_decode,
                                        "openai_front": front_line,
-                                       "variants": [asdict(r) for r in variant_rows],
+                                       "variants": [asdict(r) for r in variant_rows], "peers": peer_rows,
                                        "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]},
                                       indent=2))
     log(f"wrote {args.output}")

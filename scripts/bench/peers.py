@@ -428,13 +428,16 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", action="store_true", help="build the peers that are not built yet, then measure")
+    parser.add_argument("--build-only", action="store_true", help="build the peers that are not built yet; no run")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "benchmark-peers.json")
     parser.add_argument("--port", type=int, default=0, help="llama-server's port (default: a free one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.build:
+    if args.build or args.build_only:
         build()
+    if args.build_only:
+        return 0
     rows = peer_rows(workload(args.requests), port=args.port)
     print(f"\nPeers on the benchmark's workload ({args.requests} greedy requests, raw prompts, max_tokens "
           "16/32/64/128); output tokens: each peer's own count (EOS included)\n")

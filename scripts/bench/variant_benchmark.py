@@ -1,11 +1,16 @@
 """The quantized variants side by side through the real server, one run, the same workload for each.
 
     python -m scripts.bench.variant_benchmark --variants fp32,int4,fast,int8,fp16     (make benchmark runs it too)
+    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast --peers       (make benchmark-peers)
 
 For each variant a tritonserver serves its folder (scripts/prepare/quantize.py; fp32 is the export itself), continuous
-strategy. Columns: output tok/s of SINGLE_STREAM requests sent one at a time; output tok/s, TTFT p50/p95 of all N
-sent at once (median of --repeats runs); resident memory of the llm model's process after the runs; KV-cache bytes
-per token; model file size; greedy agreement with fp32 PyTorch from the folder's parity report.
+strategy. Columns: output tok/s of the N requests sent one at a time (single stream); output tok/s, TTFT p50/p95 of
+all N sent at once (median of --repeats runs); resident memory of the llm model's process after the runs; KV-cache
+bytes per token; model file size; greedy agreement with fp32 PyTorch from the folder's parity report (42 prompts x
+64 tokens), and on this workload (the single-stream answers' text against fp32 PyTorch greedy's, as the peers').
+
+--peers: llama.cpp's server and onnxruntime-genai's generator on the same workload (scripts/bench/peers.py; built
+once by `python -m scripts.bench.peers --build`, about 8 minutes), in a second table beside the variants.
 """
 
 from __future__ import annotations
@@ -18,12 +23,11 @@ from pathlib import Path
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, PARITY_REPORT_FILE
 from python_backend.runtime.onnx_decoder import file_cache_shape
+from scripts.bench import peers
 from scripts.bench.workload import median_run, server_row, through_server, workload
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.quantize import QUANT_CHOICES, variant_dir
-
-SINGLE_STREAM = 8
 
 
 @dataclass
@@ -38,6 +42,8 @@ class VariantRow:
     model_mb: float
     greedy_identical: str
     mean_tokens_to_first_difference: float
+    workload_identical: int  # single-stream answers equal to fp32 PyTorch greedy's on the benchmark's workload
+    requests: int
 
 
 def log(message: str) -> None:
@@ -68,8 +74,8 @@ def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -
     with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())}) as ports:
         grpc = f"127.0.0.1:{ports.grpc}"
         through_server(requests[:2], grpc, concurrent=True)  # warm-up
-        log(f"{variant}: {SINGLE_STREAM} requests one at a time")
-        alone, _ = through_server(requests[:SINGLE_STREAM], grpc, concurrent=False)
+        log(f"{variant}: {len(requests)} requests one at a time")
+        alone, _ = through_server(requests, grpc, concurrent=False)
         single = sum(r.output_tokens for r in alone) / sum(r.latency_s for r in alone)
         log(f"{variant}: {len(requests)} concurrent requests, {repeats} runs")
         runs = [server_row(variant, *through_server(requests, grpc, concurrent=True), None) for _ in range(repeats)]
@@ -80,7 +86,14 @@ def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -
     return VariantRow(variant, single, best.tokens_per_s, best.ttft_p50, best.ttft_p95, rss,
                       kv_bytes_per_token(model_dir), model_bytes / 1e6,
                       f"{greedy['identical']}/{greedy['prompts']}" if greedy else "?",
-                      greedy["mean_tokens_to_first_difference"] if greedy else float("nan"))
+                      greedy["mean_tokens_to_first_difference"] if greedy else float("nan"),
+                      sum(a.text == text for a, text in zip(alone, reference_texts(requests))), len(requests))
+
+
+def reference_texts(requests: list[dict]) -> list[str]:
+    """fp32 PyTorch greedy's answers to the requests, as text (computed once, cached: scripts/bench/peers.py)."""
+    reference = peers.fp32_reference(requests, peers.prompt_ids(requests))
+    return [peers.project_tokenizer().decode(ids) for ids in reference]
 
 
 def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: int) -> list[VariantRow]:
@@ -97,14 +110,32 @@ def table(rows: list[VariantRow], n: int) -> str:
     base = next((r for r in rows if r.variant == "fp32"), rows[0])
     lines = [f"| variant | single-stream output tok/s | {n} concurrent output tok/s | TTFT p50 / p95 (s) | llm process "
              f"RSS (MiB) | KV bytes / token | model files (MB) | greedy identical over 64 tokens (mean tokens to "
-             f"first difference) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"first difference) | greedy identical on this workload |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(
             f"| {r.variant} | {r.single_stream_tokens_per_s:.1f} (x{r.single_stream_tokens_per_s / base.single_stream_tokens_per_s:.2f}) "
             f"| {r.concurrent_tokens_per_s:.1f} (x{r.concurrent_tokens_per_s / base.concurrent_tokens_per_s:.2f}) "
             f"| {r.ttft_p50:.2f} / {r.ttft_p95:.2f} | {r.llm_rss_mb:.0f} | {r.kv_bytes_per_token:,} | {r.model_mb:.0f} "
-            f"| {r.greedy_identical} ({r.mean_tokens_to_first_difference:.1f}) |")
+            f"| {r.greedy_identical} ({r.mean_tokens_to_first_difference:.1f}) | {r.workload_identical}/{r.requests} |")
+    return "\n".join(lines)
+
+
+def comparison_table(rows: list[VariantRow], peer_rows: list[dict], n: int) -> str:
+    """This server's variants and the peers on the same workload: output tokens without EOS for everyone."""
+    lines = [f"| runner | one at a time: output tok/s | {n} at once: output tok/s | {n} at once: TTFT p50 (s) | "
+             f"greedy identical to fp32 on this workload |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| this server, `QUANT={r.variant}` | {r.single_stream_tokens_per_s:.1f} | "
+                     f"{r.concurrent_tokens_per_s:.1f} | {r.ttft_p50:.2f} | {r.workload_identical}/{r.requests} |")
+    for p in peer_rows:
+        if p["status"] != "measured":
+            lines.append(f"| {p['peer']} | not built: `{p['build']}` | | | |")
+            continue
+        one, together = p["one_at_a_time"], p["all_at_once"]
+        lines.append(f"| {p['peer']} | {one['answer_tokens'] / one['wall_s']:.1f} | "
+                     f"{together['answer_tokens'] / together['wall_s']:.1f} | {together['ttft_p50']:.2f} | "
+                     f"{one['identical']}/{p['requests']} |")
     return "\n".join(lines)
 
 
@@ -115,15 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "benchmark-variants.json")
+    parser.add_argument("--peers", action="store_true", help="also llama.cpp's server and onnxruntime-genai's "
+                                                             "generator on the same workload (scripts/bench/peers.py)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = set(variants) - set(QUANT_CHOICES)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {QUANT_CHOICES}")
-    rows = run(variants, args.export_dir, workload(args.requests), args.repeats)
+    requests = workload(args.requests)
+    rows = run(variants, args.export_dir, requests, args.repeats)
     print(table(rows, args.requests))
+    peer_rows = peers.peer_rows(requests) if args.peers else []
+    if peer_rows:
+        print("\n" + comparison_table(rows, peer_rows, args.requests))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    args.output.write_text(json.dumps({"variants": [asdict(r) for r in rows], "peers": peer_rows}, indent=2))
     log(f"wrote {args.output}")
     return 0
 
