@@ -7,13 +7,13 @@ PY := $(VENV)/bin/python
 # onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
 # model_repository/ rendered into build/model_repository-RUNTIME (scripts/launcher/render_model_repository.py).
 RUNTIME ?= onnxruntime
-# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, fast, int8, fp16
-# (scripts/prepare/quantize.py; int4-fast is fast's old name). EXPORT_DIR holds the fp32 export; each variant lands in
-# EXPORT_DIR-QUANT. int4, fast and int8 are fused graphs whose KV cache is written in place, for the CPU runtime; the
+# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, fast, fp16
+# (scripts/prepare/quantize.py; int8 and int4-fast are fast's old names). EXPORT_DIR holds the fp32 export; each variant
+# lands in EXPORT_DIR-QUANT. int4 and fast are fused graphs whose KV cache is written in place, for the CPU runtime; the
 # GPU runtimes default to fp32, the export's own graph (TensorRT parses neither the fused graph nor MatMulNBits).
 QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
-override QUANT := $(patsubst int4-fast,fast,$(QUANT))
-QUANTS := int4 fast int8 fp16
+override QUANT := $(patsubst int8,fast,$(patsubst int4-fast,fast,$(QUANT)))
+QUANTS := int4 fast fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
 MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
@@ -103,7 +103,7 @@ benchmark: variants
 		--variants fp32,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
 
 # The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
-# on the benchmark's workload (~6 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
+# on the benchmark's workload (~4 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
 	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants fp32,int4,fast --peers

@@ -26,7 +26,7 @@ class ModelSettings:
     pad_token_id: int | None
     max_position_embeddings: int
     model_name: str
-    quantization: str = "fp32"  # the variant (scripts/prepare/quantize.py): fp32, int4, fast, int8 or fp16
+    quantization: str = "fp32"  # the variant (scripts/prepare/quantize.py): fp32, int4, fast or fp16
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike) -> "ModelSettings":

@@ -2,9 +2,10 @@
 
     python -m scripts.bench.profile_decoder build/model build/model-int4 --batch 1
 
-For each model folder: prefill a prompt of --past tokens (batch --batch), then profile --steps decode steps, and
-print the operators' share of the step time (node kernel time summed by op type; "MatMulNBits" are the quantized
-weights, "MatMul" the fp32 weights, attention and the int4 residuals).
+For each model folder: prefill a prompt of --past tokens (batch --batch) into the cache its graph writes (the
+export's padded batch, or the fused graph's slots), time --steps decode steps, then profile as many and print the
+operators' share of the step time (node kernel time summed by op type; "MatMulNBits" are the quantized weights,
+"MatMul" the fp32 weights, attention and the int4 residuals). --no-profile: the step times alone.
 """
 
 from __future__ import annotations
@@ -18,27 +19,35 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.core import open_kv_cache
+from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.model_files import ONNX_FILE
-from python_backend.runtime.onnx_decoder import OnnxDecoder
+from python_backend.runtime.factory import cpu_decoder
 
 
-def profile(model_dir: Path, batch: int, past: int, steps: int) -> tuple[dict[str, float], float, float]:
+def profile(model_dir: Path, batch: int, past: int, steps: int,
+            with_profiler: bool = True) -> tuple[dict[str, float], float, float]:
     """(microseconds per step by op type under the profiler, wall milliseconds per step without and with it)."""
-    decoder = OnnxDecoder(model_dir / ONNX_FILE)
+    decoder = cpu_decoder(model_dir / ONNX_FILE)
     prompt = [1] + [100 + i % 1000 for i in range(past - 1)]
-    kv, logits, _ = KVBatch.prefill(decoder, [prompt] * batch)
+    reserved = past + 2 * steps + 8
+    kv = open_kv_cache(decoder, SchedulerConfig(max_batch_size=batch, max_context_length=reserved,
+                                                kv_layout=getattr(decoder, "kv_layout", "padded")))
+    logits, _, _ = kv.prefill([prompt] * batch, [reserved] * batch)
     for _ in range(2):  # warm-up
-        logits = kv.step(decoder, logits.argmax(-1))
-    plain_ms = _timed_steps(kv, decoder, logits, steps)
+        logits = kv.step(logits.argmax(-1))
+    plain_ms = _timed_steps(kv, logits, steps)
+    if not with_profiler:
+        return {}, plain_ms, float("nan")
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(Path("build") / f"profile-{model_dir.name}")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    decoder.session = ort.InferenceSession(str(model_dir / ONNX_FILE), options, providers=["CPUExecutionProvider"])
-    logits = kv.step(decoder, logits.argmax(-1))  # first run of the new session: not counted below
-    wall_ms = _timed_steps(kv, decoder, logits, steps)
-    trace = json.loads(Path(decoder.session.end_profiling()).read_text())
+    session = ort.InferenceSession(str(model_dir / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+    kv.decoder = type(decoder)(model_dir / ONNX_FILE, session=session)
+    logits = kv.step(logits.argmax(-1))  # first run of the new session: not counted below
+    wall_ms = _timed_steps(kv, logits, steps)
+    trace = json.loads(Path(session.end_profiling()).read_text())
     runs = [e for e in trace if e.get("cat") == "Session" and e["name"] == "model_run"]
     first_counted = sorted(runs, key=lambda e: e["ts"])[1]["ts"]
     by_op: dict[str, float] = defaultdict(float)
@@ -48,12 +57,12 @@ def profile(model_dir: Path, batch: int, past: int, steps: int) -> tuple[dict[st
     return dict(by_op), plain_ms, wall_ms
 
 
-def _timed_steps(kv: KVBatch, decoder: OnnxDecoder, logits, steps: int) -> float:
+def _timed_steps(kv, logits, steps: int) -> float:
     """Median milliseconds of one decode step. The cache grows by `steps` tokens."""
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        logits = kv.step(decoder, logits.argmax(-1))
+        logits = kv.step(logits.argmax(-1))
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2] * 1000
 
@@ -65,10 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=64, help="tokens already in the cache")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--no-profile", action="store_true", help="time the steps only")
     args = parser.parse_args(argv)
     Path("build").mkdir(exist_ok=True)
     for model_dir in args.model_dirs:
-        by_op, plain_ms, wall_ms = profile(model_dir, args.batch, args.past, args.steps)
+        by_op, plain_ms, wall_ms = profile(model_dir, args.batch, args.past, args.steps, not args.no_profile)
+        if args.no_profile:
+            print(f"{model_dir}: batch {args.batch}, past {args.past}: {plain_ms:.1f} ms per decode step "
+                  f"({args.batch * 1000 / plain_ms:.1f} tok/s)")
+            continue
         kernels_ms = sum(by_op.values()) / 1000
         print(f"{model_dir}: batch {args.batch}, past {args.past}: {plain_ms:.1f} ms per decode step "
               f"({args.batch * 1000 / plain_ms:.1f} tok/s); under the profiler {wall_ms:.1f} ms, of which kernels "

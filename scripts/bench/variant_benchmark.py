@@ -1,6 +1,6 @@
 """The quantized variants side by side through the real server, one run, the same workload for each.
 
-    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast,int8,fp16     (make benchmark runs it too)
+    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast,fp16     (make benchmark runs it too)
     python -m scripts.bench.variant_benchmark --variants fp32,int4,fast --peers       (make benchmark-peers)
 
 For each variant a tritonserver serves its folder (scripts/prepare/quantize.py; fp32 is the export itself), continuous
@@ -141,7 +141,7 @@ def comparison_table(rows: list[VariantRow], peer_rows: list[dict], n: int) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="fp32,int4,fast,int8,fp16")
+    parser.add_argument("--variants", default="fp32,int4,fast,fp16")
     parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

@@ -3,17 +3,17 @@
     python -m scripts.prepare.quantize --quant int4          # build/model -> build/model-int4
     make model QUANT=int4                            # the same, after the fp32 export
 
-Variants (weights only; activations and the KV cache stay fp32). int4, fast and int8 are built on
+Variants (weights only; activations and the KV cache stay fp32). int4 and fast are built on
 onnxruntime-genai's fused graph of the export's Hugging Face folder (scripts/prepare/fused_graph.py), whose attention
 writes the KV cache in place (python_backend/engine/kv_slots.py); fp16 on the export's own graph, as TensorRT and the
 GPU runtimes take it:
 - int4: the layer matrices as 4-bit ``MatMulNBits`` (blocks of 32, asymmetric, fp32 compute: accuracy_level 1) on the
   grid the weights came from, plus a per-block residual that makes the product exact for GGUF Q4_1 weights
   (scripts/prepare/block_quantization.py); the LM head stays fp32.
-- fast: the same int4 layers and an 8-bit LM head, computed with int8 activations (accuracy_level 4): faster, no
-  longer exact. ``int4-fast`` (the same weights on the export's graph, before the fused graph) is now its alias.
-- int8: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4, LM head
-  included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured).
+- fast: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4 (int8
+  activations), LM head included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured): the
+  fastest, not exact. Chosen by measurement over int4 layers with an 8-bit head at accuracy_level 4 (docs/models.md);
+  ``int8`` and ``int4-fast`` (the variants it replaced, on the export's graph) are its aliases.
 - fp16: onnxruntime's ``convert_float_to_float16`` (fp32 inputs and outputs kept); for GPUs. Measured here too.
 The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: docs/models.md,
 docs/performance.md.
@@ -42,7 +42,7 @@ from scripts.prepare import block_quantization, fused_graph  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 2  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 3  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 
 
@@ -61,12 +61,11 @@ class Recipe:
 
 RECIPES = {
     "int4": Recipe("int4", bits=4, graph="fused"),
-    "fast": Recipe("fast", bits=4, accuracy_level=4, head_bits=8, graph="fused"),
-    "int8": Recipe("int8", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8, graph="fused"),
+    "fast": Recipe("fast", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8, graph="fused"),
     "fp16": Recipe("fp16"),
 }
 QUANT_CHOICES = ("fp32", *RECIPES)
-ALIASES = {"int4-fast": "fast"}
+ALIASES = {"int4-fast": "fast", "int8": "fast"}
 
 
 def log(message: str) -> None:
