@@ -111,8 +111,7 @@ def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservat
     def check(core):
         cache = core.cache
         assert np.all(cache.lengths <= cache.reserved)
-        held = -(-cache.lengths // cache.align_tokens) * cache.align_tokens
-        assert cache.cache_bytes() == int(held.sum()) * decoder.cache_shape.bytes_per_token()
+        assert cache.cache_bytes() == int(cache.lengths.sum()) * decoder.cache_shape.bytes_per_token()
         seen.append(cache.size)
 
     run(decoder, seqs, strategy="static", on_step=check)
@@ -175,3 +174,13 @@ def test_a_slot_cache_needs_a_context_length():
 
     with pytest.raises(ValueError, match="max_context_length"):
         open_kv_cache(SimpleNamespace(kv_layout="slots"), SchedulerConfig(kv_layout="slots"))
+
+
+def test_the_config_budget_counts_slots_once_and_takes_the_context_length():
+    params = {"batching_strategy": "continuous", "kv_cache_budget_mb": "1", "max_queue_size": "8",
+              "max_prefill_tokens": "64", "static_timeout_ms": "250"}
+    slots = SchedulerConfig.from_parameters(params, 4, kv_bytes_per_token=1024, kv_layout="slots",
+                                            max_context_length=512)
+    padded = SchedulerConfig.from_parameters(params, 4, kv_bytes_per_token=1024)
+    assert slots.kv_budget_tokens == 2**20 // 1024 == 2 * padded.kv_budget_tokens
+    assert (slots.kv_layout, slots.max_context_length) == ("slots", 512)

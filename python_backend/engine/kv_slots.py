@@ -57,9 +57,8 @@ class SlotKVCache:
         return int(self.lengths.sum())
 
     def cache_bytes(self) -> int:
-        """Bytes of the rows' tokens, as the system holds them (whole pages)."""
-        held = -(-self.lengths // self.align_tokens) * self.align_tokens
-        return int(held.sum()) * self.bytes_per_token
+        """Bytes of the rows' tokens (the system holds whole pages: up to align_tokens - 1 more tokens a row)."""
+        return self.real_tokens() * self.bytes_per_token
 
     def _rows(self, start: int, stop: int) -> list[np.ndarray]:
         return [b[start:stop] for b in self._buffers]

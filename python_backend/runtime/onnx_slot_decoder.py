@@ -53,7 +53,8 @@ class OnnxSlotDecoder:
         self._present_names = self.cache_shape.present_names()
         self._bound = None
 
-    def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list[np.ndarray]) -> np.ndarray:
+    def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                         cache: list[np.ndarray]) -> np.ndarray:
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))

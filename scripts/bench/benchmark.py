@@ -37,13 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backend.engine.kv_batch import KVBatch
+from python_backend.engine.core import open_kv_cache
 from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE, ModelSettings
-from python_backend.runtime.factory import RUNTIMES
-from python_backend.runtime.onnx_decoder import OnnxDecoder
+from python_backend.runtime.factory import RUNTIMES, cpu_decoder
 from python_backend.serving.tokenization import PromptTokenizer
 from scripts.bench import peers, variant_benchmark
 from scripts.bench.workload import Row, log, median_run, percentile, server_row, through_server, workload
@@ -56,11 +56,18 @@ from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR, default_model_dir
 
 
+def plain_cache(decoder, rows: int, reserved: int):
+    """The decoder's own KV cache (padded batch, or slots for a fused graph) for rows of at most reserved tokens."""
+    return open_kv_cache(decoder, SchedulerConfig(max_batch_size=rows, max_context_length=reserved,
+                                                  kv_layout=getattr(decoder, "kv_layout", "padded")))
+
+
 def plain_static_batch(decoder, sequences) -> float:
-    """The textbook static batch, without the engine: left-pad every prompt to the longest, prefill once, then
-    decode the whole batch (finished rows included) until every row has finished. Greedy. Returns padding waste."""
-    batch, logits, wasted = KVBatch.prefill(decoder, [s.prompt_ids for s in sequences])
-    computed = batch.size * batch.cache_len
+    """The textbook static batch, without the engine: pad every prompt to the longest, prefill once, then decode
+    the whole batch (finished rows included) until every row has finished. Greedy. Returns padding waste."""
+    reserved = [s.reserved_tokens() for s in sequences]
+    batch = plain_cache(decoder, len(sequences), max(reserved))
+    logits, computed, wasted = batch.prefill([s.prompt_ids for s in sequences], reserved)
     while True:
         tokens = logits.argmax(-1)
         for seq, token in zip(sequences, tokens):
@@ -69,12 +76,12 @@ def plain_static_batch(decoder, sequences) -> float:
         finished = sum(s.finished for s in sequences)
         if finished == len(sequences):
             return wasted / computed
-        logits = batch.step(decoder, tokens)
+        logits = batch.step(tokens)
         computed, wasted = computed + batch.size, wasted + finished
 
 
 def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[list[Row], float, list[int]]:
-    tokenizer, decoder = PromptTokenizer(model_dir), OnnxDecoder(model_dir / ONNX_FILE)
+    tokenizer, decoder = PromptTokenizer(model_dir), cpu_decoder(model_dir / ONNX_FILE)
     eos = ModelSettings.load(model_dir).eos_token_ids
 
     def sequences():
@@ -114,12 +121,13 @@ def in_process(requests: list[dict], model_dir: Path, repeats: int) -> tuple[lis
         batched(f"engine without server, {strategy}",
                 lambda seqs, strategy=strategy: generate(decoder, seqs, strategy=strategy).padding_waste())
     # Raw decode: one step for a batch of N at past length 128.
-    batch, _, _ = KVBatch.prefill(decoder, [[1] * 128] * len(requests))
+    batch = plain_cache(decoder, len(requests), 128 + 8)
+    batch.prefill([[1] * 128] * len(requests), [128 + 8] * len(requests))
     tokens = np.ones(len(requests), np.int64)
     times = []
     for _ in range(6):
         t = time.perf_counter()
-        batch.step(decoder, tokens)
+        batch.step(tokens)
         times.append(time.perf_counter() - t)
     raw = len(requests) / statistics.median(times[1:])
     return rows, raw, [len(ids) for ids in answers_alone]

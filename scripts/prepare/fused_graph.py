@@ -2,8 +2,8 @@
 Face folder the export writes (EXPORT_DIR/hf), in fp32 for the CPU.
 
 Its graph (342 nodes against the standard export's ~2,000): ``GroupQueryAttention`` with rotary embedding inside,
-which appends to a KV buffer in place (python_backend/runtime/onnx_slot_decoder.py); ``SkipSimplifiedLayerNormalization``;
-one packed QKV MatMul per layer. scripts/prepare/quantize.py then puts the project's own 4-bit weights in it.
+which appends to a KV buffer in place (python_backend/runtime/onnx_slot_decoder.py);
+``SkipSimplifiedLayerNormalization``; one packed QKV MatMul per layer. scripts/prepare/quantize.py then puts the project's own 4-bit weights in it.
 The builder supports the architectures onnxruntime-genai lists (Llama, Mistral, Qwen, Phi, Gemma, ...); another
 model fails here with the builder's message.
 """

@@ -21,8 +21,8 @@ import numpy as np
 from loadtests.workload import DEFAULT_PROMPTS as LOAD_TEST_PROMPTS
 from python_backend.engine.core import open_kv_cache
 from python_backend.engine.loop import generate
-from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE
 from python_backend.runtime.factory import cpu_decoder
