@@ -23,6 +23,14 @@ NO_EOS = 49151  # an end_id that the model practically never emits: generation r
 # A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
 # machine where the client lags the engine, and stays far below the 1000 tokens such a request would otherwise make.
 LEFTOVER_TOKENS = 50
+# Five short chat prompts of different lengths and scripts, for the KV caches' batching tests.
+KV_TEST_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "用一句话介绍一下长城。",
+    "List three colors.",
+    "def add(a, b):",
+]
 
 
 def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str = "condition not met in time"

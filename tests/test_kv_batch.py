@@ -9,20 +9,13 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import length_sorted_chunks
 from python_backend.engine.sequence import Sequence
-from tests.helpers import outputs_alone
+from tests.helpers import KV_TEST_PROMPTS, outputs_alone
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "用一句话介绍一下长城。",
-    "List three colors.",
-    "def add(a, b):",
-]
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+    return [tokenizer.encode(p, apply_chat_template=True) for p in KV_TEST_PROMPTS]
 
 
 def sequences(prompts, max_tokens=12, eos=(2,)):

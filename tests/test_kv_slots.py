@@ -19,15 +19,8 @@ from python_backend.runtime.decoder import CacheShape
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
 from scripts.prepare.quantize import variant_dir
-from tests.helpers import fail_choice_after, outputs_alone
+from tests.helpers import KV_TEST_PROMPTS, fail_choice_after, outputs_alone
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "用一句话介绍一下长城。",
-    "List three colors.",
-    "def add(a, b):",
-]
 MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
 
 
@@ -43,7 +36,7 @@ def decoder(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
+    return [tokenizer.encode(p, apply_chat_template=True) for p in KV_TEST_PROMPTS]
 
 
 def sequences(prompts):

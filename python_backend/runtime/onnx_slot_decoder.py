@@ -48,7 +48,7 @@ class OnnxSlotDecoder:
                  session: ort.InferenceSession | None = None):
         self.session = session or cpu_session(model_path, intra_op_threads)
         self.cache_shape: CacheShape = graph_cache_shape(self.session)
-        self.vocab_size = int(self.session.get_outputs()[0].shape[-1])
+        self.vocab_size = int(next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1])
         self._past_names = self.cache_shape.cache_names()
         self._present_names = self.cache_shape.present_names()
         self._bound = None
