@@ -21,6 +21,7 @@ from python_backend.runtime.onnx_decoder import file_cache_shape
 from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 from python_backend.runtime.trt_profiles import optimization_profiles
 from scripts.paths import PROJECT_ROOT
+from scripts.prepare.quantize import variant_dir
 from tests.helpers import generate_staggered
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍一下长城。",
@@ -77,6 +78,15 @@ def test_the_factory_opens_the_cpu_runtimes(model_dir):
     plain = open_decoder(RuntimeSettings(), model_dir, LIMITS, PROJECT_ROOT)
     bound = open_decoder(RuntimeSettings(io_binding=True), model_dir, LIMITS, PROJECT_ROOT)
     assert type(plain).__name__ == "OnnxDecoder" and type(bound).__name__ == "OnnxDeviceDecoder"
+
+
+def test_a_fused_folder_opens_the_slot_decoder_on_the_cpu_and_fails_clearly_on_a_gpu_runtime(model_dir):
+    fused = variant_dir(model_dir, "fast")
+    decoder = open_decoder(RuntimeSettings(io_binding=True), fused, LIMITS, PROJECT_ROOT)
+    assert type(decoder).__name__ == "OnnxSlotDecoder" and decoder.kv_layout == "slots"
+    for runtime in GPU_RUNTIMES:
+        with pytest.raises(RuntimeUnavailableError, match=rf"fused graph .* not '{runtime}'"):
+            open_decoder(RuntimeSettings(runtime=runtime), fused, LIMITS, PROJECT_ROOT)
 
 
 @pytest.mark.parametrize("runtime", GPU_RUNTIMES)
