@@ -13,6 +13,7 @@ import numpy as np
 from python_backend.engine.batch_sampling import choose_next
 from python_backend.engine.kv_batch import PaddedKVCache
 from python_backend.engine.kv_slots import SlotKVCache
+from python_backend.engine.prefix_cache import PrefixCache
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, cache_bound
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, EngineState, Event, Failed, NewTokens, Prefilled, StepOutput
@@ -36,6 +37,17 @@ def open_kv_cache(decoder, config: SchedulerConfig):
     return PaddedKVCache(decoder)
 
 
+def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
+    """The prefix cache when reuse is on; its blocks are whole pages of the slot cache's memory."""
+    if not config.enable_kv_cache_reuse:
+        return None
+    if cache.layout != "slots":
+        raise ValueError("enable_kv_cache_reuse needs a fused graph's slot KV cache (QUANT=int4 or fast); the "
+                         "export's own graph (fp32, fp16, the GPU runtimes) has no prefix caching")
+    block = -(-16 // cache.align_tokens) * cache.align_tokens  # at least 16 tokens, whole pages
+    return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block)
+
+
 class EngineCore:
     """The queues, the running batch's KV cache, and one step at a time: no thread, no callbacks; the scheduler
     decides. decoder: any runtime of python_backend/runtime/ (the interface is in python_backend/runtime/decoder.py).
@@ -50,6 +62,7 @@ class EngineCore:
         if config.kv_layout != self.cache.layout:
             raise ValueError(f"the scheduler counts a {config.kv_layout} KV cache, the decoder writes "
                              f"{self.cache.layout}")
+        self.prefix = open_prefix_cache(self.cache, config)
         self.config = config
         self.scheduler = Scheduler(config)
         self.waiting: deque[Sequence] = deque()
@@ -128,6 +141,8 @@ class EngineCore:
             )
         for seq in cancelled:
             yield from self._emit(seq)
+        if self.prefix is not None:  # the cache gets what the admitted reservations leave, before they are written
+            self.prefix.trim(self._prefix_room())
         chunks = self.scheduler.prefill_chunks(self.prefilling)
         for chunk in chunks:
             yield from self._prefill(chunk)
@@ -173,16 +188,47 @@ class EngineCore:
                     yield from self._fail(seq, single_error)
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
-        logits, computed, padding = self.cache.prefill([s.prompt_ids for s in sequences],
-                                                       [s.reserved_tokens() for s in sequences])
-        self.running += sequences  # the cache's new rows, in order
-        tokens, failed = choose_next(sequences, logits)
+        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt) for s in sequences} if self.prefix else {}
+        fresh = [s for s in sequences if not hits.get(id(s))]
+        first_row = len(self.running)
+        parts, computed, padding = [], 0, 0
+        if fresh:
+            logits, computed, padding = self.cache.prefill([s.prompt_ids for s in fresh],
+                                                           [s.reserved_tokens() for s in fresh])
+            self.running += fresh  # the cache's new rows, in order
+            parts.append(logits)
+        for seq in sequences:
+            blocks = hits.get(id(seq))
+            if not blocks:
+                continue
+            try:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
+                logits, rest, _ = self.cache.prefill_after(
+                    seq.prompt_ids, seq.reserved_tokens(), len(blocks) * self.prefix.block_tokens,
+                    lambda row, blocks=blocks: self.prefix.load(blocks, row))
+            except Exception as error:  # noqa: BLE001 - this sequence's own prefill: it fails alone
+                yield from self._fail(seq, error)
+                continue
+            self.running.append(seq)
+            parts.append(logits)
+            computed += rest
+        joined = self.running[first_row:]
+        if self.prefix is not None:
+            room = self._prefix_room()
+            for row, seq in enumerate(joined, start=first_row):
+                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(row), room)
+        if not joined:
+            return
+        tokens, failed = choose_next(joined, np.concatenate(parts))
         self._next_tokens = np.concatenate([self._next_tokens, tokens])
         yield Prefilled(computed, padding)
         for seq, error in failed:
             yield from self._fail(seq, error)
-        for seq in sequences:
+        for seq in joined:
             yield from self._emit(seq)
+
+    def _prefix_room(self) -> int:
+        """Tokens of the KV budget that the running and admitted sequences' reservations leave to the prefix cache."""
+        return self.config.kv_budget_tokens - sum(s.reserved_tokens() for s in self.running + self.prefilling)
 
     def _decode(self) -> Iterator[Event]:
         logits = self.cache.step(self._next_tokens)

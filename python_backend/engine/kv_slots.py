@@ -86,6 +86,29 @@ class SlotKVCache:
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
         return logits[np.arange(rows), lengths - 1], rows * longest, rows * longest - int(lengths.sum())
 
+    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill) -> tuple[np.ndarray, int, int]:
+        """One prompt into the next free slot, whose first ``cached`` tokens ``fill(row)`` writes (a prefix cache's
+        blocks); the rest is prefilled in that slot alone. Returns the prompt's last-position logits [1, vocab], the
+        positions computed and the padding among them (none)."""
+        start = self.size
+        if start >= self.slots or reserved > self.max_len or not 0 < cached < len(prompt):
+            raise ValueError(f"cannot prefill {len(prompt)} tokens after {cached} cached in slot {start}")
+        row = self._rows(start, start + 1)
+        try:
+            fill(row)
+            logits = self.decoder.forward_in_place(np.array([prompt[cached:]], np.int64),
+                                                   np.ones((1, len(prompt)), np.int64), row)
+        except Exception:
+            self.release([start])
+            raise
+        self.lengths = np.append(self.lengths, len(prompt))
+        self.reserved = np.append(self.reserved, reserved)
+        return logits[:, -1], len(prompt) - cached, 0
+
+    def row(self, r: int) -> list[np.ndarray]:
+        """Row r's cache: one [1, kv_heads, max_len, head_dim] view per layer key and value."""
+        return self._rows(r, r + 1)
+
     def step(self, next_tokens: np.ndarray) -> np.ndarray:
         """Feeds one token per row, each appended at its row's length; returns logits [rows, vocab]. A row at its
         reservation (a finished row that static batching keeps computing) overwrites its last position instead of

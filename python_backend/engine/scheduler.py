@@ -39,6 +39,7 @@ class SchedulerConfig:
     kv_budget_tokens: int = 65536  # bound on cached tokens (padded: rows x longest row; slots: each row's own)
     kv_layout: str = "padded"  # the decoder's: "padded" (kv_batch.py) or "slots" (kv_slots.py)
     max_context_length: int | None = None  # most prompt + max_tokens of one sequence (the slots' length)
+    enable_kv_cache_reuse: bool = False  # prefix caching (prefix_cache.py); the slot layout only
     max_queue_size: int = 256  # waiting sequences beyond this are refused (503 / UNAVAILABLE)
     max_prefill_tokens: int = 1024  # continuous: prompt tokens prefilled per step, at least one sequence
     static_batch_size: int = 8

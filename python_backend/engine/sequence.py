@@ -25,6 +25,7 @@ class Sequence:
     # Polled once per step: lets a direct (non-ensemble) client's cancelled stream free the sequence.
     is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str = ""  # prefix caching: cached prompt prefixes are shared only under the same salt
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when params.logprobs
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "error"

@@ -1,0 +1,138 @@
+"""Prefix caching on the real exact fused graph (QUANT=int4): greedy tokens identical with reuse on and off for
+shared prefixes of several lengths, a whole prompt cached, a batch and a cancelled neighbour; salts kept apart;
+the least recently used prefix evicted under a small budget and recomputed to the same tokens."""
+
+from dataclasses import replace
+
+import pytest
+
+from python_backend.engine.core import EngineCore
+from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.engine.sequence import Sequence
+from python_backend.model_files import ONNX_FILE
+from python_backend.runtime.factory import cpu_decoder
+from scripts.prepare.quantize import variant_dir
+
+SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
+          "is asked for, never invent tracking numbers, and say plainly when you do not know. ")
+QUESTIONS = ["Where is Rotterdam?", "What is a bill of lading?", "Name a port in Japan.", "What does TEU mean?",
+             "Is Hamburg a port?", "How long is a container?"]
+CONFIG = SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length=512, kv_budget_tokens=65536)
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dir):
+    path = variant_dir(model_dir, "int4") / ONNX_FILE
+    if not path.is_file():
+        pytest.fail(f"no int4 variant at {path.parent.parent}: run `make variants` (make test does)")
+    return cpu_decoder(path)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(SYSTEM + q, apply_chat_template=True) for q in QUESTIONS]
+
+
+def sequences(prompts, salt="", max_tokens=12):
+    return [Sequence(prompt_ids=list(p), params=SamplingParams(max_tokens=max_tokens, end_ids=()), cache_salt=salt)
+            for p in prompts]
+
+
+def run(core, seqs, on_step=None):
+    for seq in seqs:
+        core.add(seq)
+    while core.step().progressed:
+        if on_step:
+            on_step(core)
+    return [s.output_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def without_reuse(decoder, prompts):
+    return [run(EngineCore(decoder, CONFIG), sequences([p]))[0] for p in prompts]
+
+
+def reuse(decoder, **changes):
+    return EngineCore(decoder, replace(CONFIG, enable_kv_cache_reuse=True, **changes))
+
+
+def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, without_reuse, tokenizer):
+    core = reuse(decoder)
+    assert run(core, sequences(prompts[:1])) == without_reuse[:1]  # fills the cache
+    assert core.prefix.hit_tokens == 0 and core.prefix.cached_tokens > 0
+    # the others one at a time: each shares the system prompt's blocks
+    for prompt, expected in zip(prompts[1:], without_reuse[1:]):
+        assert run(core, sequences([prompt])) == [expected]
+    assert core.prefix.hit_tokens >= 5 * (len(tokenizer.encode(SYSTEM, apply_chat_template=True)) // 16 - 1) * 16
+    # a prompt that is entirely cached: all but its last MIN_SUFFIX tokens come from the cache
+    hits = core.prefix.hit_tokens
+    assert run(core, sequences(prompts[:1])) == without_reuse[:1]
+    assert core.prefix.hit_tokens - hits == (len(prompts[0]) - 2) // 16 * 16
+    # prefixes ending at every offset inside a block: prompts cut short share 0..15 tokens of their last block
+    for cut in range(1, 17, 3):
+        short = prompts[0][: len(prompts[0]) - cut]
+        alone = run(EngineCore(decoder, CONFIG), sequences([short]))
+        assert run(core, sequences([short])) == alone, cut
+
+
+def test_a_batch_sharing_a_prefix_and_a_cancelled_neighbour(decoder, prompts, without_reuse):
+    core = reuse(decoder)
+    run(core, sequences(prompts[:1]))
+    seqs = sequences(prompts)
+
+    def cancel_the_second(c):
+        if len(seqs[1].output_ids) == 3:
+            c.cancel(seqs[1].key)
+
+    outputs = run(core, seqs, on_step=cancel_the_second)
+    assert seqs[1].finish_reason == "cancelled"
+    assert [o for i, o in enumerate(outputs) if i != 1] == [o for i, o in enumerate(without_reuse) if i != 1]
+    assert core.prefix.hit_tokens > 0
+
+
+def test_salts_keep_prefixes_apart(decoder, prompts, without_reuse):
+    core = reuse(decoder)
+    run(core, sequences(prompts[:1], salt="tenant-a"))
+    assert run(core, sequences(prompts[1:2], salt="tenant-b")) == without_reuse[1:2]
+    assert core.prefix.hit_tokens == 0, "another salt finds nothing"
+    assert run(core, sequences(prompts[1:2], salt="tenant-a")) == without_reuse[1:2]
+    assert core.prefix.hit_tokens > 0, "the same salt shares"
+
+
+def test_the_least_recently_used_prefix_is_evicted_under_a_small_budget(decoder, prompts, tokenizer):
+    other = tokenizer.encode("Completely different instructions about baking bread at home, with flour, water, salt "
+                             "and patience, for a beginner. " + QUESTIONS[0], apply_chat_template=True)
+    need = max(len(prompts[0]), len(other)) + 12
+    core = reuse(decoder, kv_budget_tokens=need + 48)  # beside a running request, room for three blocks at most
+    first = run(core, sequences(prompts[:1]))
+    assert core.prefix.cached_tokens == 48
+    run(core, sequences([other]))  # its own blocks need the room: the least recently used of the first's go
+    assert core.prefix.evicted_blocks > 0 and core.prefix.cached_tokens <= 48 + 16
+    hits = core.prefix.hit_tokens
+    assert run(core, sequences(prompts[:1])) == first, "recomputed after eviction, the same tokens"
+    assert core.prefix.hit_tokens - hits < 48, "what was evicted was computed again, not found"
+
+
+def test_the_switch_off_computes_everything_and_the_padded_cache_refuses_it(decoder, prompts, model_dir):
+    core = EngineCore(decoder, CONFIG)
+    run(core, sequences(prompts[:2]))
+    assert core.prefix is None
+    with pytest.raises(ValueError, match="enable_kv_cache_reuse needs a fused graph"):
+        EngineCore(cpu_decoder(model_dir / ONNX_FILE), SchedulerConfig(enable_kv_cache_reuse=True))
+
+
+def test_log_probabilities_after_a_cached_prefix_are_a_full_prefills_bit_for_bit(decoder, prompts):
+    def logprobs(core, prompt):
+        seq = Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=4, end_ids=(), logprobs=True,
+                                                                      top_logprobs=5))
+        run(core, [seq])
+        return [(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in seq.logprobs]
+
+    core = reuse(decoder)
+    one_past_a_block = prompts[0][: 16 * (len(prompts[0]) // 16 - 1) + 1]  # whole blocks but one token
+    # the second shares a prefix with the first; each again is wholly cached
+    for prompt in (prompts[0], prompts[1], one_past_a_block):
+        assert logprobs(core, prompt) == logprobs(EngineCore(decoder, CONFIG), prompt)
+        assert logprobs(core, prompt) == logprobs(EngineCore(decoder, CONFIG), prompt)
+    assert core.prefix.hit_tokens > 0
