@@ -16,7 +16,8 @@ from python_backend.engine.kv_slots import SlotKVCache
 from python_backend.engine.prefix_cache import PrefixCache
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, cache_bound
 from python_backend.engine.sequence import Sequence
-from python_backend.engine.step_output import Decoded, EngineState, Event, Failed, NewTokens, Prefilled, StepOutput
+from python_backend.engine.step_output import (Decoded, EngineState, Event, Failed, NewTokens, Prefilled, PrefixLookup,
+                                               StepOutput)
 from python_backend.errors import InvalidRequestError, UnavailableError
 
 # A cancel whose key matches no sequence came after its sequence finished, or overtook its request: kept this long
@@ -142,15 +143,21 @@ class EngineCore:
         for seq in cancelled:
             yield from self._emit(seq)
         if self.prefix is not None:  # the cache gets what the admitted reservations leave, before they are written
+            counts = (self.prefix.queried_tokens, self.prefix.hit_tokens, self.prefix.evicted_blocks)
             self.prefix.trim(self._prefix_room())
         chunks = self.scheduler.prefill_chunks(self.prefilling)
         for chunk in chunks:
             yield from self._prefill(chunk)
+        if self.prefix is not None:
+            now = (self.prefix.queried_tokens, self.prefix.hit_tokens, self.prefix.evicted_blocks)
+            if now != counts:
+                yield PrefixLookup(*(a - b for a, b in zip(now, counts)))
         decoding = self.scheduler.should_decode(self.running, self.prefilling)
         if decoding:
             yield from self._decode()
         self._retire()
-        state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), self.cache.cache_bytes())
+        state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), self.cache.cache_bytes(),
+                            self.prefix.cached_bytes() if self.prefix else 0)
         if state != self._reported_state or chunks or decoding:
             self._reported_state = out.state = state
         out.progressed = bool(chunks) or decoding or bool(cancelled)

@@ -15,7 +15,7 @@ from python_backend.engine.core import EngineCore, QueueFullError
 from python_backend.engine.outbox import Outbox
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
-from python_backend.engine.step_output import Decoded, Event, Failed, NewTokens, Prefilled, StepOutput
+from python_backend.engine.step_output import Decoded, Event, Failed, NewTokens, Prefilled, PrefixLookup, StepOutput
 from python_backend.errors import UnavailableError
 
 __all__ = ["Engine", "EngineObserver", "QueueFullError", "generate"]
@@ -39,7 +39,10 @@ class EngineObserver:
     def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
         """count tokens handed out to one sequence; ttft for its first, else itl: the mean gap per token."""
 
-    def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
+    def on_prefix_lookup(self, queried: int, hits: int, evicted_blocks: int) -> None:
+        """Prefix caching: prompt tokens looked up, found in the cache, and blocks evicted, since the last call."""
+
+    def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         pass
 
     def padding_waste(self) -> float:
@@ -58,6 +61,8 @@ def deliveries(events: Iterable[Event], observer: EngineObserver) -> Iterator[tu
                 yield observer.on_prefill, (computed, padding)
             case Decoded(batch_size, dead_rows):
                 yield observer.on_decode, (batch_size, dead_rows)
+            case PrefixLookup(queried, hits, evicted):
+                yield observer.on_prefix_lookup, (queried, hits, evicted)
 
 
 def send_tokens(observer: EngineObserver, seq: Sequence, new: list[int], finished: bool, logprobs) -> None:
@@ -145,7 +150,7 @@ class Engine:
         if out.error is None:
             self.last_progress = time.time()
         if (state := out.state) is not None:
-            self._put(self.observer.on_state, state.running, state.waiting, state.kv_bytes)
+            self._put(self.observer.on_state, state.running, state.waiting, state.kv_bytes, state.prefix_cache_bytes)
         return out.progressed
 
     def _loop(self) -> None:
@@ -189,6 +194,6 @@ def generate(decoder, sequences: list[Sequence], strategy: str = "dynamic") -> E
         for callback, args in deliveries(out.events, observer):
             callback(*args)
         if (state := out.state) is not None:
-            observer.on_state(state.running, state.waiting, state.kv_bytes)
+            observer.on_state(state.running, state.waiting, state.kv_bytes, state.prefix_cache_bytes)
         if not out.progressed:
             return observer

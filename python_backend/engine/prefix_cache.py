@@ -55,6 +55,9 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return len(self._blocks) * self.block_tokens
 
+    def cached_bytes(self) -> int:
+        return len(self._blocks) * self._block_bytes * len(self._maps)
+
     def _chain(self, prompt: list[int], salt: str, blocks: int):
         key = hash(("prefix", salt))
         for i in range(blocks):

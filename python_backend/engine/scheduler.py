@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from python_backend.engine.kv_batch import PaddedKVCache
 from python_backend.engine.kv_slots import SlotKVCache
+from python_backend.config_values import flag
 from python_backend.engine.sequence import Sequence
 
 STRATEGIES = ("continuous", "dynamic", "static")
@@ -65,6 +66,8 @@ class SchedulerConfig:
             kv_budget_tokens=budget_bytes // (peak_factor * kv_bytes_per_token),
             kv_layout=kv_layout,
             max_context_length=max_context_length or int(params.get("max_context_length") or 0) or None,
+            enable_kv_cache_reuse=kv_layout == "slots" and flag(params.get("enable_kv_cache_reuse", "false"),
+                                                                "enable_kv_cache_reuse"),
             max_queue_size=int(params["max_queue_size"]),
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),

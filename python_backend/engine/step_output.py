@@ -38,14 +38,23 @@ class Decoded:
     dead_rows: int
 
 
+@dataclass
+class PrefixLookup:
+    """Prefix caching during one step: prompt tokens looked up, of them found in the cache, blocks evicted."""
+    queried: int
+    hits: int
+    evicted_blocks: int
+
+
 @dataclass(frozen=True)
 class EngineState:
     running: int
     waiting: int  # admitted but not prefilled yet included
     kv_bytes: int
+    prefix_cache_bytes: int = 0  # the prefix cache's blocks, apart from the running sequences' kv_bytes
 
 
-Event = NewTokens | Failed | Prefilled | Decoded
+Event = NewTokens | Failed | Prefilled | Decoded | PrefixLookup
 
 
 @dataclass

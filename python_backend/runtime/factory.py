@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from python_backend.config_values import flag
 from python_backend.runtime.decoder import RuntimeUnavailableError, ServingLimits, TorchTensors
 from python_backend.runtime.engine_manifest import ENGINE_FILE
 from python_backend.runtime.trt_profiles import DecoderLimits
@@ -50,26 +51,18 @@ class RuntimeSettings:
         defaults = cls()
         return cls(
             runtime=params.get("runtime") or defaults.runtime,
-            io_binding=_flag(params.get("io_binding", ""), "io_binding"),
+            io_binding=flag(params.get("io_binding", ""), "io_binding"),
             device_id=device_id,
             precision=params.get("precision") or defaults.precision,
             engine_path=params.get("engine_path", ""),
             trt_cache_dir=params.get("trt_cache_dir") or defaults.trt_cache_dir,
-            allow_cpu_fallback=_flag(params.get("allow_cpu_fallback", ""), "allow_cpu_fallback"),
+            allow_cpu_fallback=flag(params.get("allow_cpu_fallback", ""), "allow_cpu_fallback"),
             intra_op_threads=int(params.get("intra_op_threads") or 0),
         )
 
     @property
     def uses_gpu(self) -> bool:
         return self.runtime in GPU_RUNTIMES
-
-
-def _flag(value: str, name: str) -> bool:
-    if value.strip().lower() in ("", "false", "0", "no"):
-        return False
-    if value.strip().lower() in ("true", "1", "yes"):
-        return True
-    raise ValueError(f"{name} must be true or false, not {value!r}")
 
 
 def open_decoder(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, project_root: Path):

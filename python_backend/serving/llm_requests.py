@@ -13,6 +13,9 @@ from python_backend.serving.request_inputs import (TensorGetter, decode_stop_seq
                                                   sampling_values, scalar)
 
 
+MAX_CACHE_SALT_BYTES = 256
+
+
 @dataclass(frozen=True)
 class LlmLimits:
     vocab_size: int
@@ -52,7 +55,14 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limi
         stop_token_sequences=_stop_sequences(get, limits),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )
-    return Sequence(prompt_ids=prompt, params=params)
+    return Sequence(prompt_ids=prompt, params=params, cache_salt=cache_salt(get))
+
+
+def cache_salt(get: TensorGetter) -> str:
+    salt = scalar(get, "cache_salt", "")
+    if len(salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(f"cache_salt is more than {MAX_CACHE_SALT_BYTES} bytes")
+    return salt
 
 
 def _check_token_ids(ids: np.ndarray, name: str, vocab_size: int) -> None:

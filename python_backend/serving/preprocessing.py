@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
+from python_backend.serving.llm_requests import cache_salt
 from python_backend.serving.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request,
                                                   sampling_values, scalar, text_list)
 from python_backend.serving.tokenization import PromptTokenizer
@@ -69,6 +70,9 @@ class Preprocessor:
             "return_log_probs": np.asarray([return_log_probs], np.bool_),
             "num_top_log_probs": np.asarray([top], np.int32),
         }
+        salt = cache_salt(get)  # checked here too, so that a bad one fails before tokenizing
+        if salt:
+            llm_inputs["cache_salt"] = np.asarray([salt.encode("utf-8")], np.object_)
         for name, dtype in (("logit_bias_ids", np.int32), ("logit_bias_values", np.float32)):
             value = get(name)  # checked against the vocabulary by the llm model
             if value is not None:

@@ -38,6 +38,15 @@ class TritonMetricsObserver(EngineObserver):
         self.waiting = make("llm_waiting_sequences", "Sequences waiting to be admitted", family.GAUGE)
         self.kv_bytes = make("llm_kv_cache_bytes", "Bytes held by the batch's KV cache", family.GAUGE)
         self.waste = make("llm_padding_waste_ratio", "padding tokens / computed tokens, since start", family.GAUGE)
+        # Prefix caching (enable_kv_cache_reuse), counted in tokens as vLLM's prefix_cache_queries / _hits.
+        self.prefix_queries = make("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                                   family.COUNTER)
+        self.prefix_hits = make("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                                family.COUNTER)
+        self.prefix_evicted = make("llm_prefix_cache_evicted_blocks_total",
+                                   "Prefix cache blocks dropped, least recently used first", family.COUNTER)
+        self.prefix_bytes = make("llm_prefix_cache_bytes",
+                                 "Bytes held by cached prompt prefixes (apart from llm_kv_cache_bytes)", family.GAUGE)
         # The bounds, so that alerts can compare with them (queue near full, KV cache near its budget).
         self.max_queue = make("llm_max_queue_size", "Waiting sequences beyond this are refused", family.GAUGE)
         self.kv_budget = make("llm_kv_cache_budget_bytes",
@@ -68,11 +77,19 @@ class TritonMetricsObserver(EngineObserver):
         if itl is not None:
             self.itl.observe(itl)
 
-    def on_state(self, running: int, waiting: int, kv_bytes: int) -> None:
+    def on_prefix_lookup(self, queried: int, hits: int, evicted_blocks: int) -> None:
+        self.prefix_queries.increment(queried)
+        if hits:
+            self.prefix_hits.increment(hits)
+        if evicted_blocks:
+            self.prefix_evicted.increment(evicted_blocks)
+
+    def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         if self._unreported_tokens:
             self.tokens.increment(self._unreported_tokens)
             self._unreported_tokens = 0
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_bytes.set(kv_bytes)
+        self.prefix_bytes.set(prefix_cache_bytes)
         self.waste.set(self.padding_waste())

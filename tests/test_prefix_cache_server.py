@@ -1,0 +1,60 @@
+"""Prefix caching on a real server (QUANT=int4, enable_kv_cache_reuse switched on by a reload): a prompt sent again
+is answered from its cached prefix with the same text (the hit counter says so); another cache_salt finds nothing;
+with the switch off nothing is looked up."""
+
+from __future__ import annotations
+
+import pytest
+
+from python_backend.model_files import MODEL_DIR_ENV
+from scripts.clients.llm_client import GrpcStreamClient
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.triton_server import running_server
+from scripts.prepare.quantize import variant_dir
+from tests.helpers import metrics, wait_idle
+
+pytestmark = pytest.mark.server
+SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
+          "is asked for, never invent tracking numbers, and say plainly when you do not know. ")
+
+
+def request(question: str, salt: str | None = None) -> dict:
+    body = {"text_input": SYSTEM + question, "max_tokens": 16, "apply_chat_template": True}
+    return body if salt is None else {**body, "cache_salt": salt}
+
+
+@pytest.fixture(scope="module")
+def int4_server(model_dir, tmp_path_factory):
+    folder = variant_dir(model_dir, "int4")
+    if not folder.is_dir():
+        pytest.fail(f"no int4 variant at {folder}: run `make variants` (make test does)")
+    log = tmp_path_factory.mktemp("prefix") / "server.log"
+    with running_server(log_path=log, explicit_models=SERVED_MODELS, env={MODEL_DIR_ENV: str(folder)}) as ports:
+        yield ports
+
+
+def counters(server) -> tuple[float, float]:
+    values = wait_idle(server)
+    return values.get("llm_prefix_cache_queries_total", 0), values.get("llm_prefix_cache_hits_total", 0)
+
+
+def test_reuse_off_looks_nothing_up_then_on_answers_from_the_cache_with_the_same_text(int4_server):
+    client = GrpcStreamClient(f"127.0.0.1:{int4_server.grpc}")
+    off = [client.complete(request(q)).text for q in ("Where is Rotterdam?", "Where is Rotterdam?")]
+    assert counters(int4_server) == (0, 0), "the switch is off by default: nothing is looked up"
+
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
+    first = client.complete(request("Where is Rotterdam?")).text
+    queries, hits = counters(int4_server)
+    assert queries > 0 and hits == 0
+    again = client.complete(request("Where is Rotterdam?")).text
+    other_question = client.complete(request("What does TEU mean?")).text
+    queries, hits = counters(int4_server)
+    assert hits >= 64, "the second request and the other question found the shared system prompt"
+    assert first == again == off[0]
+    assert other_question.strip()
+
+    salted = client.complete(request("Where is Rotterdam?", salt="tenant-b")).text
+    assert counters(int4_server)[1] == hits, "another salt finds nothing"
+    assert salted == off[0]
+    assert metrics(int4_server).get("llm_prefix_cache_bytes", 0) > 0
