@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers benchmark-prefix sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -104,6 +104,11 @@ benchmark: variants
 
 # The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
 # on the benchmark's workload (~4 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
+# Prefix caching on and off on one server (QUANT's folder): a shared instruction, a multi-turn conversation, no shared
+# prefix (~2 min).
+benchmark-prefix: variants
+	$(PY) -m scripts.bench.prefix_benchmark --model-dir $(MODEL_DIR)
+
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
 	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants fp32,int4,fast --peers

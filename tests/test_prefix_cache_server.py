@@ -1,6 +1,6 @@
-"""Prefix caching on a real server (QUANT=int4, enable_kv_cache_reuse switched on by a reload): a prompt sent again
-is answered from its cached prefix with the same text (the hit counter says so); another cache_salt finds nothing;
-with the switch off nothing is looked up."""
+"""Prefix caching on a real server (QUANT=int4; enable_kv_cache_reuse switched off, then on, by reloads): a prompt
+sent again is answered from its cached prefix with the same text (the hit counter says so); another cache_salt finds
+nothing; with the switch off nothing is looked up."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def counters(server) -> tuple[float, float]:
 
 def test_reuse_off_looks_nothing_up_then_on_answers_from_the_cache_with_the_same_text(int4_server):
     client = GrpcStreamClient(f"127.0.0.1:{int4_server.grpc}")
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="false")
     off = [client.complete(request(q)).text for q in ("Where is Rotterdam?", "Where is Rotterdam?")]
-    assert counters(int4_server) == (0, 0), "the switch is off by default: nothing is looked up"
+    assert counters(int4_server) == (0, 0), "with the switch off nothing is looked up"
 
     reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
     first = client.complete(request("Where is Rotterdam?")).text

@@ -52,8 +52,8 @@ class TritonPythonModel:
         config = SchedulerConfig.from_parameters(params, max_batch_size, decoder.cache_shape.bytes_per_token(),
                                                  getattr(decoder, "kv_layout", "padded"), max_context_length)
         if params.get("enable_kv_cache_reuse", "").strip().lower() == "true" and not config.enable_kv_cache_reuse:
-            print(f"[llm] enable_kv_cache_reuse is true, but {model_dir} is the export's graph, whose KV cache is a "
-                  "padded batch: no prefix caching (QUANT=int4 or fast has it)", file=sys.stderr, flush=True)
+            print(f"[llm] enable_kv_cache_reuse: no prefix caching on {model_dir}, the export's graph (its KV cache "
+                  "is a padded batch); QUANT=int4 or fast has it", file=sys.stderr, flush=True)
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})
         observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
