@@ -54,6 +54,9 @@ class _SamplingRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
+    # vLLM's extra field: cached prompt prefixes are shared only between requests with the same salt (the server
+    # checks its 256-byte limit).
+    cache_salt: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -105,6 +108,7 @@ class _SamplingRequest(_Strict):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+            "cache_salt": self.cache_salt or "",
         }
 
     def seed_of(self, choice: int) -> int | None:

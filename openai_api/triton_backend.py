@@ -41,6 +41,7 @@ class EnsembleRequest:
     echo: bool = False
     log_probs: bool = False
     top_log_probs: int = 0
+    cache_salt: str = ""
 
     def inputs(self) -> list[grpcclient.InferInput]:
         tensors = [
@@ -73,6 +74,8 @@ class EnsembleRequest:
             tensors.append(_tensor("return_log_probs", np.array([[True]], np.bool_)))
         if self.top_log_probs:
             tensors.append(_tensor("num_top_log_probs", np.array([[self.top_log_probs]], np.int32)))
+        if self.cache_salt:
+            tensors.append(_tensor("cache_salt", np.array([[self.cache_salt.encode("utf-8")]], np.object_)))
         return tensors
 
 

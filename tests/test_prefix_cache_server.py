@@ -9,6 +9,7 @@ import pytest
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.clients.llm_client import GrpcStreamClient
 from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import running_server
 from scripts.prepare.quantize import variant_dir
 from tests.helpers import metrics, wait_idle
@@ -59,3 +60,24 @@ def test_reuse_off_looks_nothing_up_then_on_answers_from_the_cache_with_the_same
     assert counters(int4_server)[1] == hits, "another salt finds nothing"
     assert salted == off[0]
     assert metrics(int4_server).get("llm_prefix_cache_bytes", 0) > 0
+
+
+def test_the_openai_front_passes_cache_salt(int4_server, model_dir, tmp_path):
+    from openai import OpenAI
+
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
+    folder = variant_dir(model_dir, "int4")
+    with running_openai_api(f"127.0.0.1:{int4_server.grpc}", folder, tmp_path / "api.log") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+
+        def ask(salt: str) -> str:
+            answer = client.chat.completions.create(
+                model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+                max_tokens=8, temperature=0, extra_body={"cache_salt": salt})
+            return answer.choices[0].message.content
+
+        first = ask("tenant-a")
+        hits = counters(int4_server)[1]
+        assert ask("tenant-b") == first and counters(int4_server)[1] == hits, "another salt finds nothing"
+        assert ask("tenant-a") == first and counters(int4_server)[1] > hits, "the same salt shares"
