@@ -81,3 +81,21 @@ def test_the_openai_front_passes_cache_salt(int4_server, model_dir, tmp_path):
         hits = counters(int4_server)[1]
         assert ask("tenant-b") == first and counters(int4_server)[1] == hits, "another salt finds nothing"
         assert ask("tenant-a") == first and counters(int4_server)[1] > hits, "the same salt shares"
+
+
+def test_32_concurrent_requests_sharing_a_prefix_get_the_same_answers_with_reuse_on_and_off(int4_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = GrpcStreamClient(f"127.0.0.1:{int4_server.grpc}")
+    questions = [f"Question {i}: is port number {i} open today?" for i in range(32)]
+
+    def answers() -> list[str]:
+        with ThreadPoolExecutor(32) as pool:
+            return [r.text for r in pool.map(client.complete, [request(q) for q in questions])]
+
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="false")
+    off = answers()
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
+    client.complete(request(questions[0]))  # the shared prefix in the cache
+    assert answers() == off
+    assert counters(int4_server)[1] >= 31 * 64, "every request found the shared instruction's blocks"
