@@ -241,11 +241,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-server.log"):
+def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-server.log", context: int = 16384):
     """A running llama-server on 127.0.0.1 (its URL), stopped on the way out, errors included."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [LLAMA_SERVER, "-m", gguf_path(), "-t", str(THREADS), "-np", str(slots), "-c", "16384",
+    command = [LLAMA_SERVER, "-m", gguf_path(), "-t", str(THREADS), "-np", str(slots), "-c", str(context),
                "--host", "127.0.0.1", "--port", str(port)]
     log(f"starting {' '.join(map(str, command))} (log: {log_path})")
     with open(log_path, "w") as server_log:
@@ -273,12 +273,12 @@ def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-
                 process.wait()
 
 
-def llama_complete(url: str, prompt: list[int], max_tokens: int) -> Answer:
+def llama_complete(url: str, prompt: list[int], max_tokens: int, cache_prompt: bool = False) -> Answer:
     """One streaming greedy request to /completion: its text (the stream has no event for a token that ends inside a
     UTF-8 character, so its ids are incomplete), its own token count, and the time to its first event (a token, or
     the end when the first token is EOS)."""
-    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False, "ignore_eos": False,
-            "stream": True, "return_tokens": True}
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": cache_prompt,
+            "ignore_eos": False, "stream": True, "return_tokens": True}
     started, first, texts, final = time.perf_counter(), None, [], None
     with requests.post(f"{url}/completion", json=body, stream=True, timeout=600) as response:
         response.raise_for_status()
