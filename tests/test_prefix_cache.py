@@ -136,3 +136,17 @@ def test_log_probabilities_after_a_cached_prefix_are_a_full_prefills_bit_for_bit
         assert logprobs(core, prompt) == logprobs(EngineCore(decoder, CONFIG), prompt)
         assert logprobs(core, prompt) == logprobs(EngineCore(decoder, CONFIG), prompt)
     assert core.prefix.hit_tokens > 0
+
+
+def test_a_text_prefix_that_ends_inside_a_merge_reuses_only_the_common_tokens(decoder, tokenizer):
+    # The first text is a prefix of the second, but its trailing space is a token of its own, which the second
+    # merges into " ports": the cache is keyed by token ids, so only the blocks of the common ids are reused.
+    first = tokenizer.encode(SYSTEM + "Tell me about ", apply_chat_template=False)
+    second = tokenizer.encode(SYSTEM + "Tell me about ports", apply_chat_template=False)
+    common = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
+    assert common < len(first), "the texts' shared prefix is not a shared token prefix"
+    core = reuse(decoder)
+    run(core, sequences([first]))
+    hits = core.prefix.hit_tokens
+    assert run(core, sequences([second])) == run(EngineCore(decoder, CONFIG), sequences([second]))
+    assert 0 < core.prefix.hit_tokens - hits <= common // 16 * 16
