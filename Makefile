@@ -104,8 +104,9 @@ benchmark: variants
 
 # The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
 # on the benchmark's workload (~4 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
-# Prefix caching on and off on one server (QUANT's folder): a shared instruction, a multi-turn conversation, no shared
-# prefix (~2 min).
+# Prefix caching on and off on one server (QUANT's folder): a shared system prompt through the OpenAI API, a
+# multi-turn chat, no shared prefix (~3 min); with llama.cpp's server built (make benchmark-peers), also it with
+# cache_prompt off and on (~2 min more).
 benchmark-prefix: variants
 	$(PY) -m scripts.bench.prefix_benchmark --model-dir $(MODEL_DIR)
 

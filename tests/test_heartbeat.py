@@ -61,3 +61,20 @@ def test_stale_heartbeats_and_stuck_engines_are_stalled():
 
 def test_no_heartbeat_means_unknown_which_is_not_a_problem(tmp_path):
     assert PeerLiveness("llm", tmp_path / "missing").problem() is None
+
+
+def test_an_old_instance_does_not_overwrite_its_reloaded_successors_heartbeat(tmp_path):
+    # Triton loads a model's new version before it unloads the old one, under the same instance name.
+    old = Heartbeat("llm_0_0", folder=tmp_path)
+    old.beat()
+    successor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        newer = {"pid": successor.pid, "time": time.time(), "started": old.started + 1}
+        (tmp_path / "llm_0_0.json").write_text(json.dumps(newer))
+        old.beat()
+        assert json.loads((tmp_path / "llm_0_0.json").read_text())["pid"] == successor.pid
+    finally:
+        successor.kill()
+        successor.wait()
+    old.beat()  # the successor is gone: the file is this instance's again
+    assert json.loads((tmp_path / "llm_0_0.json").read_text())["pid"] == os.getpid()

@@ -54,14 +54,28 @@ class Heartbeat:
                  interval_s: float = HEARTBEAT_INTERVAL_S):
         self.path = (folder or runtime_dir()) / f"{instance}.json"
         self.status = status
+        self.started = time.time()
         self._writer = Periodic("heartbeat", interval_s, self.beat)
 
     def beat(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"pid": os.getpid(), "time": time.time(), **self.status()}
+        if self._replaced():
+            return
+        record = {"pid": os.getpid(), "time": time.time(), "started": self.started, **self.status()}
         temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_text(json.dumps(record))
         os.replace(temporary, self.path)  # readers never see half a file
+
+    def _replaced(self) -> bool:
+        """Whether a newer live process of the same instance name writes this file: a model reloaded by Triton
+        starts the new version before it unloads the old one, whose last beats must not hide the new one's (the
+        front would see the old process gone and fail the requests the new one serves)."""
+        try:
+            current = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        pid = int(current.get("pid", 0))
+        return pid != os.getpid() and current.get("started", 0) > self.started and process_alive(pid)
 
     def start(self) -> None:
         self.beat()
