@@ -18,6 +18,7 @@ from python_backend.runtime.decoder import ServingLimits
 from scripts.clients.llm_client import GenerateClient, triton_inputs
 from scripts.launcher.server_metrics import read_metrics
 from scripts.paths import MODEL_REPOSITORY
+from scripts.prepare.quantize import variant_dir
 
 NO_EOS = 49151  # an end_id that the model practically never emits: generation runs to max_tokens
 # A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
@@ -198,3 +199,13 @@ def config_limits_from_text(model_repository=MODEL_REPOSITORY) -> ServingLimits:
     return ServingLimits(max_batch_size=int(re.search(r"^max_batch_size: (\d+)", text, re.M).group(1)),
                          max_prefill_tokens=parameter("max_prefill_tokens"),
                          max_context_length=parameter("max_context_length"))
+
+
+def variant_folder(model_dir, variant: str):
+    """The folder of a weight variant of the export (make variants builds them); the test fails if it is missing."""
+    import pytest
+
+    folder = variant_dir(model_dir, variant)
+    if not folder.is_dir():
+        pytest.fail(f"no {variant} variant at {folder}: run `make variants` (make test does)")
+    return folder

@@ -12,9 +12,8 @@ import pytest
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.clients.llm_client import GrpcStreamClient
 from scripts.launcher.triton_server import running_server
-from scripts.prepare.quantize import variant_dir
 from scripts.prepare.variant_parity import load_test_prompts
-from tests.helpers import metrics, wait_for
+from tests.helpers import metrics, variant_folder, wait_for
 
 pytestmark = pytest.mark.server
 REQUESTS = [{"text_input": text, "max_tokens": (8, 16, 24, 32)[i % 4]}
@@ -23,11 +22,8 @@ REQUESTS = [{"text_input": text, "max_tokens": (8, 16, 24, 32)[i % 4]}
 
 @pytest.fixture(scope="module")
 def fast_server(model_dir, tmp_path_factory):
-    folder = variant_dir(model_dir, "fast")
-    if not folder.is_dir():
-        pytest.fail(f"no fast variant at {folder}: run `make variants` (make test does)")
     log = tmp_path_factory.mktemp("fast") / "server.log"
-    with running_server(log_path=log, env={MODEL_DIR_ENV: str(folder)}) as ports:
+    with running_server(log_path=log, env={MODEL_DIR_ENV: str(variant_folder(model_dir, "fast"))}) as ports:
         yield ports
 
 

@@ -18,18 +18,14 @@ from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.decoder import CacheShape
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
-from scripts.prepare.quantize import variant_dir
-from tests.helpers import KV_TEST_PROMPTS, fail_choice_after, outputs_alone
+from tests.helpers import KV_TEST_PROMPTS, fail_choice_after, outputs_alone, variant_folder
 
 MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
 
 
 @pytest.fixture(scope="module")
 def decoder(model_dir):
-    path = variant_dir(model_dir, "fast") / ONNX_FILE
-    if not path.is_file():
-        pytest.fail(f"no fast variant at {path.parent.parent}: run `make variants` (make test does)")
-    fused = cpu_decoder(path)
+    fused = cpu_decoder(variant_folder(model_dir, "fast") / ONNX_FILE)
     assert isinstance(fused, OnnxSlotDecoder)
     return fused
 

@@ -12,7 +12,7 @@ from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.factory import cpu_decoder
-from scripts.prepare.quantize import variant_dir
+from tests.helpers import variant_folder
 
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
           "is asked for, never invent tracking numbers, and say plainly when you do not know. ")
@@ -23,10 +23,7 @@ CONFIG = SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length
 
 @pytest.fixture(scope="module")
 def decoder(model_dir):
-    path = variant_dir(model_dir, "int4") / ONNX_FILE
-    if not path.is_file():
-        pytest.fail(f"no int4 variant at {path.parent.parent}: run `make variants` (make test does)")
-    return cpu_decoder(path)
+    return cpu_decoder(variant_folder(model_dir, "int4") / ONNX_FILE)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from scripts.clients.llm_client import GrpcStreamClient
 from scripts.launcher.model_control import SERVED_MODELS, reload_llm
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import running_server
-from scripts.prepare.quantize import variant_dir
-from tests.helpers import metrics, wait_idle
+from tests.helpers import metrics, variant_folder, wait_idle
 
 pytestmark = pytest.mark.server
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
@@ -26,9 +25,7 @@ def request(question: str, salt: str | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def int4_server(model_dir, tmp_path_factory):
-    folder = variant_dir(model_dir, "int4")
-    if not folder.is_dir():
-        pytest.fail(f"no int4 variant at {folder}: run `make variants` (make test does)")
+    folder = variant_folder(model_dir, "int4")
     log = tmp_path_factory.mktemp("prefix") / "server.log"
     with running_server(log_path=log, explicit_models=SERVED_MODELS, env={MODEL_DIR_ENV: str(folder)}) as ports:
         yield ports
@@ -66,7 +63,7 @@ def test_the_openai_front_passes_cache_salt(int4_server, model_dir, tmp_path):
     from openai import OpenAI
 
     reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
-    folder = variant_dir(model_dir, "int4")
+    folder = variant_folder(model_dir, "int4")
     with running_openai_api(f"127.0.0.1:{int4_server.grpc}", folder, tmp_path / "api.log") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         model = client.models.list().data[0].id
