@@ -117,7 +117,8 @@ class TokenChooser:
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
         for token, bias in p.logit_bias:
             logits[token] += bias
-        if not np.isfinite(logits).all():
+        # -inf rules a token out (a guide's mask does so); NaN, +inf, or nothing finite left is a fault.
+        if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
             raise FloatingPointError("the logits are not finite")
         if p.greedy:
             return int(np.argmax(logits))

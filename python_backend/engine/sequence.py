@@ -26,6 +26,9 @@ class Sequence:
     is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str = ""  # prefix caching: cached prompt prefixes are shared only under the same salt
+    # Guided decoding: masks this sequence's logits at each step and ends it when its grammar is complete
+    # (python_backend/guided/guide.py); None when unconstrained.
+    guide: object | None = field(default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when params.logprobs
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "error"

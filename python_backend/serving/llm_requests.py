@@ -9,6 +9,7 @@ import numpy as np
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
+from python_backend.guided.grammars import GuideSpec, guide_spec
 from python_backend.serving.request_inputs import (TensorGetter, decode_stop_sequences, logit_bias, logprob_request,
                                                   sampling_values, scalar)
 
@@ -22,6 +23,7 @@ class LlmLimits:
     max_context_length: int  # prompt + max_tokens
     max_stop_sequences: int = 16
     max_stop_sequence_tokens: int = 64
+    max_guide_bytes: int = 65536
 
 
 def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limits: LlmLimits) -> Sequence:
@@ -56,6 +58,12 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limi
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )
     return Sequence(prompt_ids=prompt, params=params, cache_salt=cache_salt(get))
+
+
+def guide_from_inputs(get: TensorGetter, limits: LlmLimits) -> GuideSpec | None:
+    """guided_decoding_guide_type / guided_decoding_guide, checked (the compiler checks the guide itself)."""
+    return guide_spec(scalar(get, "guided_decoding_guide_type"), scalar(get, "guided_decoding_guide"),
+                      limits.max_guide_bytes)
 
 
 def cache_salt(get: TensorGetter) -> str:

@@ -15,6 +15,7 @@ from python_backend.serving.request_inputs import (TensorGetter, encode_stop_seq
 from python_backend.serving.tokenization import PromptTokenizer
 
 NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class Preprocessor:
         salt = cache_salt(get)  # checked here too, so that a bad one fails before tokenizing
         if salt:
             llm_inputs["cache_salt"] = np.asarray([salt.encode("utf-8")], np.object_)
+        for name in GUIDE_INPUTS:  # checked and compiled by the llm model, which has the grammar engine
+            value = scalar(get, name)
+            if value is not None:
+                llm_inputs[name] = np.asarray([value.encode("utf-8")], np.object_)
         for name, dtype in (("logit_bias_ids", np.int32), ("logit_bias_values", np.float32)):
             value = get(name)  # checked against the vocabulary by the llm model
             if value is not None:

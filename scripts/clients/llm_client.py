@@ -42,6 +42,8 @@ INPUT_TYPES = {
     "return_log_probs": ("BOOL", np.bool_),
     "num_top_log_probs": ("INT32", np.int32),
     "cache_salt": ("BYTES", np.object_),
+    "guided_decoding_guide_type": ("BYTES", np.object_),
+    "guided_decoding_guide": ("BYTES", np.object_),
 }
 PROTOCOLS = ("http", "grpc", "generate", "grpc-stream", "generate-stream")
 

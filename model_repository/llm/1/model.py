@@ -14,12 +14,13 @@ import triton_python_backend_utils as pb_utils
 from python_backend.engine.loop import Engine
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.errors import InvalidRequestError, tagged_message
+from python_backend.guided.compiler import GuideCompiler
 from python_backend.model_files import ModelSettings, resolve_model_dir
 from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.factory import RuntimeSettings, open_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
-from python_backend.serving.llm_requests import LlmLimits, sequence_from_inputs
+from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, sequence_from_inputs
 from python_backend.serving.request_inputs import scalar
 from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
 from python_backend.serving.triton_metrics import TritonMetricsObserver
@@ -48,7 +49,10 @@ class TritonPythonModel:
             max_context_length=max_context_length,
             max_stop_sequences=int(params["max_stop_sequences"]),
             max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
+            max_guide_bytes=int(params.get("max_guide_bytes") or 65536),
         )
+        self.guides = GuideCompiler.for_model(model_dir, self.settings.eos_token_ids, decoder.vocab_size,
+                                              cache_size=int(params.get("guide_cache_size") or 256))
         config = SchedulerConfig.from_parameters(params, max_batch_size, decoder.cache_shape.bytes_per_token(),
                                                  getattr(decoder, "kv_layout", "padded"), max_context_length)
         if params.get("enable_kv_cache_reuse", "").strip().lower() == "true" and not config.enable_kv_cache_reuse:
@@ -76,6 +80,7 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
                     continue
                 seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.limits)
+                guide = guide_from_inputs(get, self.limits)
                 if key is not None:
                     seq.key = key
                 seq.emit = _emitter(sender, self.engine)
@@ -83,14 +88,31 @@ class TritonPythonModel:
                 # A direct client's cancel is polled at every step; a keyed request comes from the front model
                 # over BLS, which never sees a cancel (the front sends a cancel request instead).
                 seq.is_cancelled = sender.is_cancelled if key is None else None
-                self.engine.submit(seq)
+                if guide is None:
+                    self.engine.submit(seq)
+                else:  # compiled on the compiler's thread (at once when cached); the engine never waits for it
+                    self.guides.submit(guide).add_done_callback(_guided_submitter(seq, self.engine))
             except Exception as error:
                 _error_sender(sender, for_front=key is not None)(None, error)
         return None
 
     def finalize(self):
+        self.guides.close()
         self.heartbeat.stop()
         self.engine.stop()
+
+
+def _guided_submitter(seq, engine):
+    """Hands the sequence to the engine once its guide is compiled, or ends it with the guide's error."""
+
+    def submit(compiled):
+        try:
+            seq.guide = compiled.result()
+            engine.submit(seq)
+        except Exception as error:
+            seq.on_error(seq, error)
+
+    return submit
 
 
 def _outputs(ids, finished):
