@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers benchmark-prefix sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured sweep sweep-quick perf-inputs clean
 
 venv: $(VENV)/.installed
 
@@ -101,6 +101,7 @@ test: variants
 benchmark: variants
 	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) \
 		--variants fp32,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
+	$(PY) -m scripts.bench.structured_benchmark --model-dir $(MODEL_DIR)
 
 # The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
 # on the benchmark's workload (~4 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
@@ -109,6 +110,11 @@ benchmark: variants
 # cache_prompt off and on (~2 min more).
 benchmark-prefix: variants
 	$(PY) -m scripts.bench.prefix_benchmark --model-dir $(MODEL_DIR)
+
+# Structured outputs' cost on one server (QUANT's folder): 32 concurrent requests of the held schema set without
+# and with the schema enforced, mask time per step, compile time (~2 min; make benchmark runs it too).
+benchmark-structured: variants
+	$(PY) -m scripts.bench.structured_benchmark --model-dir $(MODEL_DIR)
 
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
