@@ -164,8 +164,8 @@ def print_table(result: dict) -> None:
     print(f"| without, each request as long as its enforced answer | {same['tokens']} | {same['tokens_per_s']:.1f} | |")
     print(f"| enforced / without | | x{result['ratio']:.2f} | |")
     print(f"| enforced / without at the same lengths | | x{result['ratio_same_lengths']:.2f} | |")
-    print(f"\nmask time per step (median): one row {masks['batch_1_ms']:.3f} ms; {masks['batch_all_rows']} rows at once "
-          f"{masks['batch_all_ms']:.3f} ms")
+    print(f"\nmask time per step (median): one row {masks['batch_1_ms']:.3f} ms; {masks['batch_all_rows']} rows at "
+          f"once {masks['batch_all_ms']:.3f} ms")
     print(f"compile time of the {comp['schemas']} schemas: cold median {comp['cold_median_ms']:.2f} ms "
           f"(max {comp['cold_max_ms']:.2f} ms), cached median {comp['cached_median_ms']:.3f} ms")
 
