@@ -93,10 +93,18 @@ class EngineCore:
         if self._cancelled.pop(sequence.key, None) is not None:  # its client left before it got here
             sequence.finish_reason = "cancelled"
             return list(self._emit(sequence))
-        if len(self.waiting) >= self.config.max_queue_size:
+        # Only sequences as urgent or more count: background (batch) work never makes the queue refuse live work.
+        if sum(s.priority <= sequence.priority for s in self.waiting) >= self.config.max_queue_size:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests); retry later")
-        self.waiting.append(sequence)
+        self._enqueue(sequence)
         return []
+
+    def _enqueue(self, sequence: Sequence) -> None:
+        """Keeps ``waiting`` ordered by priority, first come first served within one (usually an append)."""
+        after = len(self.waiting)
+        while after and self.waiting[after - 1].priority > sequence.priority:
+            after -= 1
+        self.waiting.insert(after, sequence)
 
     def cancel(self, key: str) -> None:
         """Cancels the sequence with this key at the next step, or when add() brings it."""

@@ -2,6 +2,9 @@
 
 The engine's core (core.py) holds the queues and asks at every step; the scheduler holds no state.
 
+Waiting sequences are taken by priority (lower first; the core keeps the queue so ordered), first come, first served
+within one; sequences with a positive priority (batch jobs) never take the last ``priority_reserved_slots`` rows.
+
 - ``continuous``: any step may admit new sequences (first come, first served) while the running batch has room;
   prefill of newcomers happens before the step's decode, which runs at every step.
 - ``dynamic``: when the batch is empty, everything that queued meanwhile becomes the next group and runs to
@@ -41,7 +44,9 @@ class SchedulerConfig:
     kv_layout: str = "padded"  # the decoder's: "padded" (kv_batch.py) or "slots" (kv_slots.py)
     max_context_length: int | None = None  # most prompt + max_tokens of one sequence (the slots' length)
     enable_kv_cache_reuse: bool = False  # prefix caching (prefix_cache.py); the slot layout only
-    max_queue_size: int = 256  # waiting sequences beyond this are refused (503 / UNAVAILABLE)
+    max_queue_size: int = 256  # waiting sequences (of a priority or more urgent) beyond this are refused (503)
+    # Rows that sequences with priority > 0 (batch jobs) never take, so that live requests find one at once.
+    priority_reserved_slots: int = 0
     max_prefill_tokens: int = 1024  # continuous: prompt tokens prefilled per step, at least one sequence
     static_batch_size: int = 8
     static_timeout_s: float = 0.5
@@ -52,6 +57,9 @@ class SchedulerConfig:
             raise ValueError(f"batching strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"KV layout must be one of {tuple(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if not 0 <= self.priority_reserved_slots < self.max_batch_size:
+            raise ValueError(f"priority_reserved_slots must be in [0, max_batch_size {self.max_batch_size}), got "
+                             f"{self.priority_reserved_slots}")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int,
@@ -69,6 +77,7 @@ class SchedulerConfig:
             enable_kv_cache_reuse=kv_layout == "slots" and flag(params.get("enable_kv_cache_reuse", "false"),
                                                                 "enable_kv_cache_reuse"),
             max_queue_size=int(params["max_queue_size"]),
+            priority_reserved_slots=int(params.get("priority_reserved_slots") or 0),
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
             static_timeout_s=float(params["static_timeout_ms"]) / 1000,
@@ -155,11 +164,14 @@ class Scheduler:
     def _take(self, waiting, running, cache_len, prefill_tokens, limit=None, bucket=None) -> list[Sequence]:
         c = self.config
         limit = min(limit or c.max_batch_size, c.max_batch_size - len(running))
+        background_room = c.max_batch_size - c.priority_reserved_slots - sum(s.priority > 0 for s in running)
         taken: list[Sequence] = []
         prompt_tokens = 0
         skipped: list[Sequence] = []
         while waiting and len(taken) < limit:
             candidate = waiting[0]
+            if candidate.priority > 0 and sum(s.priority > 0 for s in taken) >= background_room:
+                break  # the queue is ordered by priority: only background work is left
             if bucket is not None and self._bucket(candidate) != bucket:
                 skipped.append(waiting.popleft())
                 continue

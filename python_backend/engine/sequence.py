@@ -26,6 +26,9 @@ class Sequence:
     is_cancelled: Callable[[], bool] | None = field(default=None, repr=False)
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str = ""  # prefix caching: cached prompt prefixes are shared only under the same salt
+    # Lower runs earlier (vLLM's convention): waiting sequences are admitted by (priority, arrival). Live requests
+    # have 0; batch jobs send a positive one, and rows are kept free of them (SchedulerConfig.priority_reserved_slots).
+    priority: int = 0
     # Guided decoding: masks this sequence's logits at each step and ends it when its grammar is complete
     # (python_backend/guided/guide.py); None when unconstrained.
     guide: object | None = field(default=None, repr=False)

@@ -57,7 +57,12 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limi
         stop_token_sequences=_stop_sequences(get, limits),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )
-    return Sequence(prompt_ids=prompt, params=params, cache_salt=cache_salt(get))
+    return Sequence(prompt_ids=prompt, params=params, cache_salt=cache_salt(get), priority=priority(get))
+
+
+def priority(get: TensorGetter) -> int:
+    """Lower runs earlier; 0 by default (live requests); batch jobs send a positive one."""
+    return int(scalar(get, "priority", 0))
 
 
 def guide_from_inputs(get: TensorGetter, limits: LlmLimits) -> GuideSpec | None:

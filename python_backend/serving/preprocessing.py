@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from python_backend.errors import InvalidRequestError
-from python_backend.serving.llm_requests import cache_salt
+from python_backend.serving.llm_requests import cache_salt, priority
 from python_backend.serving.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request,
                                                   sampling_values, scalar, text_list)
 from python_backend.serving.tokenization import PromptTokenizer
@@ -74,6 +74,8 @@ class Preprocessor:
         salt = cache_salt(get)  # checked here too, so that a bad one fails before tokenizing
         if salt:
             llm_inputs["cache_salt"] = np.asarray([salt.encode("utf-8")], np.object_)
+        if get("priority") is not None:
+            llm_inputs["priority"] = np.asarray([priority(get)], np.int32)
         for name in GUIDE_INPUTS:  # checked and compiled by the llm model, which has the grammar engine
             value = scalar(get, name)
             if value is not None:

@@ -44,6 +44,7 @@ INPUT_TYPES = {
     "cache_salt": ("BYTES", np.object_),
     "guided_decoding_guide_type": ("BYTES", np.object_),
     "guided_decoding_guide": ("BYTES", np.object_),
+    "priority": ("INT32", np.int32),
 }
 PROTOCOLS = ("http", "grpc", "generate", "grpc-stream", "generate-stream")
 
