@@ -27,6 +27,7 @@ from openai_api.metrics import ApiMetrics, MetricsMiddleware
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs
 from openai_api.token_text import TokenTexts
+from openai_api.tools import CallStream, ToolUse, generic_messages, native_messages
 from openai_api.triton_backend import EnsembleRequest, TritonBackend
 from python_backend.model_files import DEFAULT_MODEL_DIR, SETTINGS_FILE, ModelSettings
 from python_backend.serving.tokenization import PromptTokenizer
@@ -58,6 +59,7 @@ class Service:
         self.tokenizer = PromptTokenizer(config.model_dir)
         self.vocab_size = len(self.tokenizer.tokenizer)
         self.texts = TokenTexts(self.tokenizer.tokenizer)
+        self.template_knows_tools = "tools" in str(self.tokenizer.tokenizer.chat_template or "")
         self.backend = TritonBackend(config.triton_url, settings.max_position_embeddings)
         self.created = int((Path(config.model_dir) / SETTINGS_FILE).stat().st_mtime)  # when the model was exported
 
@@ -68,13 +70,21 @@ class Service:
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "triton-llm"}
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: ToolUse | None = None) -> list[int]:
         """A conversation's prompt ids, by the model's own chat template, ready for the assistant's turn. The
-        messages' contents are encoded as text: "<|im_start|>system" in a message does not open a system turn."""
+        messages' contents are encoded as text: "<|im_start|>system" in a message does not open a system turn.
+        Tools, and earlier calls, go to a template that knows them, or else in the generic format (openai_api.tools)."""
         if not self.tokenizer.has_chat_template:
             raise InvalidRequest("This model has no chat template: use /v1/completions", param="messages")
         try:
-            return self.tokenizer.encode_conversation(messages)
+            if not self.template_knows_tools:
+                return self.tokenizer.encode_conversation(generic_messages(messages, tools))
+            if tools is None:
+                return self.tokenizer.encode_conversation(native_messages(messages))
+            shown = [{"type": "function", "function": f.signature()} for f in tools.functions]
+            return list(self.tokenizer.tokenizer.apply_chat_template(  # encode_conversation's settings, and the tools
+                native_messages(messages), tools=shown, add_generation_prompt=True, tokenize=True, return_dict=False,
+                sanitize_control_tokens=True))
         except TemplateError as error:  # a template that refuses a conversation (roles out of order, ...)
             raise InvalidRequest(f"The chat template refused the messages: {error}", param="messages") from None
 
@@ -163,7 +173,8 @@ def create_app(config: ServiceConfig) -> FastAPI:
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request), service.vocab_size)
         service.check_model(body.model)
-        prompt_ids = service.render_chat([m.template_message() for m in body.messages])
+        tools = body.tool_use()
+        prompt_ids = service.render_chat([m.template_message() for m in body.messages], tools)
         max_tokens = await service.budget(prompt_ids, "messages", body.requested_max_tokens,
                                           config.default_max_tokens)
         prompt = service.tokenizer.tokenizer.decode(prompt_ids)  # text_input, for its byte limit; not tokenized again
@@ -173,7 +184,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         choices = [
             Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, prompt_ids=prompt_ids,
                                                                   seed=body.seed_of(j), **shared)),
-                   ChatLogprobs(service.texts) if logprobs else None)
+                   ChatLogprobs(service.texts) if logprobs else None, CallStream(tools) if tools else None)
             for j in range(body.choices_per_prompt)
         ]
         return await respond(request, choices, ChatFormat(service.model, body.include_usage), body.stream)

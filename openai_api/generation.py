@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from openai_api.errors import APIError
 from openai_api.responses import DONE, ChatLogprobs, CompletionLogprobs, Usage, _Format, sse
+from openai_api.tools import CallStream
 from openai_api.triton_backend import Generation, Piece
 
 log = logging.getLogger("openai_api")
@@ -22,9 +23,16 @@ class Choice:
     prompt_index: int
     generation: Generation
     logprobs: CompletionLogprobs | ChatLogprobs | None = None  # None: not asked
+    calls: CallStream | None = None  # chat with tools: the answer may be tool calls
+    started: bool = False  # its first chunk (the one with the role) is sent
 
     def chunk_logprobs(self, piece: Piece) -> dict | None:
         return self.logprobs.format(piece) if self.logprobs else None
+
+    def release(self, piece: Piece) -> Piece | None:
+        """The piece to answer with: as it came, or, with tools, the text held back so far or its calls; None while
+        held back."""
+        return self.calls.feed(piece) if self.calls else piece
 
 
 def cancel_all(choices: list[Choice]) -> None:
@@ -65,6 +73,7 @@ async def complete(choices: list[Choice], fmt: _Format) -> dict:
     usage = Usage()
     for choice, piece in zip(choices, pieces):
         usage.add(choice.prompt_index, piece)
+    pieces = [choice.release(piece) for choice, piece in zip(choices, pieces)]
     return fmt.body([fmt.choice(c.index, p, c.chunk_logprobs(p)) for c, p in zip(choices, pieces)], usage)
 
 
@@ -112,21 +121,23 @@ async def stream_events(choices: list[Choice], firsts: list[Piece], fmt: _Format
     an ``error`` event. Cancelled (the client left): every stream still running is cancelled."""
     usage = Usage()
 
-    def chunk(choice: Choice, piece: Piece, first: bool) -> bytes | None:
+    def events(choice: Choice, piece: Piece) -> list[bytes]:
         usage.add(choice.prompt_index, piece)
+        piece = choice.release(piece)
+        if piece is None:
+            return []  # held back: it may be the start of tool calls
+        first, choice.started = not choice.started, True
         if not (first or piece.text or piece.finish_reason or piece.token_ids):
-            return None  # text held back (an unfinished UTF-8 character): nothing to say yet
-        return sse(fmt.chunk(fmt.chunk_choice(choice.index, piece, choice.chunk_logprobs(piece), first)))
+            return []  # text held back (an unfinished UTF-8 character): nothing to say yet
+        return [sse(fmt.chunk(c)) for c in fmt.chunk_choices(choice.index, piece, choice.chunk_logprobs(piece), first)]
 
     try:
         for choice, piece in zip(choices, firsts):
-            event = chunk(choice, piece, first=True)
-            if event:
+            for event in events(choice, piece):
                 yield event
         async with aclosing(_following(choices)) as rest:
             async for choice, piece in rest:
-                event = chunk(choice, piece, first=False)
-                if event:
+                for event in events(choice, piece):
                     yield event
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(usage))

@@ -1,7 +1,7 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions, validated before anything reaches Triton.
 
-Fields OpenAI defines that this server does not implement get a 400 that names them (a client that asks for tools or a
-JSON schema must not get an answer that silently ignores them); fields OpenAI does not define get a 400 too (pydantic
+Fields OpenAI defines that this server does not implement get a 400 that names them (a client that asks for audio
+must not get an answer that silently ignores it); fields OpenAI does not define get a 400 too (pydantic
 ``extra="forbid"``). Types are strict: ``"max_tokens": "5"`` is refused, as OpenAI refuses it. An explicit ``null``
 means "not given", for the fields this server implements and for the ones it does not."""
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from openai_api.errors import InvalidRequest
+from openai_api.structured import Guide, ResponseFormat, Strict
+from openai_api.tools import MAX_TOOLS, Tool, ToolCall, ToolUse, check_tool_choice, check_tools
 
 MAX_CHOICES = 32  # prompts x n of one request: the llm model's decode batch (max_batch_size)
 MAX_STOP = 4  # OpenAI's limit
@@ -24,21 +26,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI request fields this server does not implement.
 UNSUPPORTED_COMPLETIONS = ("suffix",)
 UNSUPPORTED_CHAT = (
-    "tools", "tool_choice", "functions", "function_call", "response_format", "audio", "modalities", "prediction",
-    "store", "metadata", "parallel_tool_calls", "service_tier", "reasoning_effort", "web_search_options",
-    "verbosity", "prompt_cache_key", "safety_identifier",
+    "functions", "function_call", "audio", "modalities", "prediction", "store", "metadata", "service_tier",
+    "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool | None = None
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(Strict):
     """The fields both endpoints share."""
 
     model: str
@@ -57,6 +54,7 @@ class _SamplingRequest(_Strict):
     # vLLM's extra field: cached prompt prefixes are shared only between requests with the same salt (the server
     # checks its 256-byte limit).
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -88,6 +86,8 @@ class _SamplingRequest(_Strict):
     def _check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.response_format is not None:
+            self.response_format.check()
 
     @property
     def choices_per_prompt(self) -> int:
@@ -109,7 +109,11 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
             "cache_salt": self.cache_salt or "",
+            "guide": self.guide(),
         }
+
+    def guide(self) -> Guide | None:
+        return self.response_format.guide() if self.response_format else None
 
     def seed_of(self, choice: int) -> int | None:
         """The seed of the choice-th of n answers to one prompt: seed + choice, so that n answers differ and the same
@@ -156,16 +160,17 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None  # accepted and not shown to the model
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value):
         """A list of {"type": "text", "text": ...} parts is joined with newlines; other part types are refused."""
-        if value is None:
-            raise ValueError("content is required (tool calls are not supported)")
         if not isinstance(value, list):
             return value
         texts = []
@@ -178,9 +183,25 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def template_message(self) -> dict[str, str]:
+    def check(self, at: str) -> None:
+        """The rules that depend on the role; `at` is the message's place, e.g. 'messages[2]'."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidRequest(f"Missing required parameter: '{at}.content'", param=f"{at}.content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequest("tool_calls is only allowed in assistant messages", param=f"{at}.tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidRequest(f"Missing required parameter: '{at}.tool_call_id'", param=f"{at}.tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise InvalidRequest("tool_call_id is only allowed in tool messages", param=f"{at}.tool_call_id")
+
+    def template_message(self) -> dict:
         """As the chat template takes it ('developer' is OpenAI's newer name for 'system')."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -188,16 +209,38 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        return check_tool_choice(value)
 
     def _check(self) -> None:
         super()._check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")
+        check_tools(self.tools, self.tool_choice)
+        use = self.tool_use()
+        if use and use.forced and self.response_format and self.response_format.type != "text":
+            raise InvalidRequest(f"tool_choice forces a tool call, so the answer cannot also follow response_format "
+                                 f"{self.response_format.type!r}: use one or the other", param="response_format")
 
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_use(self) -> ToolUse | None:
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def guide(self) -> Guide | None:
+        use = self.tool_use()
+        return use.guide() if use and use.forced else super().guide()
 
 
 def parse_request(model: type[_SamplingRequest], body: bytes, vocab_size: int | None = None) -> _SamplingRequest:

@@ -109,6 +109,9 @@ class _Format:
             chunk["usage"] = None
         return chunk
 
+    def chunk_choices(self, index: int, piece: Piece, logprobs: dict | None, first: bool) -> list[dict]:
+        return [self.chunk_choice(index, piece, logprobs, first)]
+
     def usage_chunk(self, usage: Usage) -> dict:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage.as_dict()}
@@ -132,8 +135,9 @@ class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
     def choice(self, index: int, piece: Piece, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": piece.text}, "logprobs": logprobs,
-                "finish_reason": piece.finish_reason}
+        message = ({"role": "assistant", "content": None, "tool_calls": piece.tool_calls} if piece.tool_calls
+                   else {"role": "assistant", "content": piece.text})
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
     def chunk_choice(self, index: int, piece: Piece, logprobs: dict | None, first: bool) -> dict:
         """The first chunk of each choice carries the role; the last one the finish_reason."""
@@ -141,3 +145,20 @@ class ChatFormat(_Format):
         if piece.finish_reason is not None and not first and not piece.text:
             delta = {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    def chunk_choices(self, index: int, piece: Piece, logprobs: dict | None, first: bool) -> list[dict]:
+        """Tool calls as OpenAI streams them: per call, its id and name with empty arguments, then the arguments;
+        the finish_reason in a chunk of its own."""
+        if not piece.tool_calls:
+            return [self.chunk_choice(index, piece, logprobs, first)]
+        deltas = []
+        for i, call in enumerate(piece.tool_calls):
+            function = call["function"]
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": ""}}
+            deltas.append({"role": "assistant", "content": None, "tool_calls": [head]} if first and i == 0
+                          else {"tool_calls": [head]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        chunks = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        chunks[0]["logprobs"] = logprobs
+        return chunks + [{"index": index, "delta": {}, "logprobs": None, "finish_reason": piece.finish_reason}]

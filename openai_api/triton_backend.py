@@ -16,6 +16,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from openai_api.errors import APIError, InvalidRequest, Unavailable
+from openai_api.structured import Guide
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
 
 ENSEMBLE = "ensemble"
@@ -42,6 +43,7 @@ class EnsembleRequest:
     log_probs: bool = False
     top_log_probs: int = 0
     cache_salt: str = ""
+    guide: Guide | None = None  # structured output: the grammar the engine enforces
 
     def inputs(self) -> list[grpcclient.InferInput]:
         tensors = [
@@ -76,6 +78,9 @@ class EnsembleRequest:
             tensors.append(_tensor("num_top_log_probs", np.array([[self.top_log_probs]], np.int32)))
         if self.cache_salt:
             tensors.append(_tensor("cache_salt", np.array([[self.cache_salt.encode("utf-8")]], np.object_)))
+        if self.guide:
+            tensors.append(_tensor("guided_decoding_guide_type", np.array([[self.guide.type.encode()]], np.object_)))
+            tensors.append(_tensor("guided_decoding_guide", np.array([[self.guide.text.encode("utf-8")]], np.object_)))
         return tensors
 
 
@@ -101,6 +106,7 @@ class Piece:
     token_logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's, read from the text of a whole chat answer (openai_api.tools)
 
     @classmethod
     def from_result(cls, result) -> Piece:

@@ -123,8 +123,9 @@ def test_chat_only_rules():
     assert chat(logprobs=True, top_logprobs=20).top_logprobs == 20
     assert refused(chat, logprobs=3).param == "logprobs"  # chat's logprobs is a bool
     assert refused(chat, messages=[]).param == "messages"
-    assert refused(chat, messages=[{"role": "tool", "content": "x"}]).param == "messages[0].role"
-    assert refused(chat, messages=[{"role": "user", "content": "x", "name": "bob"}]).param == "messages[0].name"
+    assert refused(chat, messages=[{"role": "function", "content": "x"}]).param == "messages[0].role"
+    assert refused(chat, messages=[{"role": "tool", "content": "x"}]).param == "messages[0].tool_call_id"
+    assert chat(messages=[{"role": "user", "content": "x", "name": "bob"}]).messages[0].name == "bob"
     assert refused(chat, messages=[{"role": "assistant", "content": None}]).param == "messages[0].content"
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": image}])
@@ -424,7 +425,10 @@ def test_invalid_requests_are_400s_that_name_the_field(app_client):
     response = app_client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "temperature": 5})
     assert "temperature" in assert_openai_error(response, 400, "temperature")["message"]
     response = app_client.post("/v1/chat/completions", json={"model": MODEL, "messages": [], "tools": [{}]})
-    assert_openai_error(response, 400, "tools")
+    assert_openai_error(response, 400, "messages")
+    response = app_client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
+                                                             "content": "Hi"}], "tools": [{}]})
+    assert_openai_error(response, 400, "tools[0].type")
     response = app_client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user"}]})
     assert_openai_error(response, 400, "messages[0].content")
 
