@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured sweep sweep-quick perf-inputs clean
+.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -85,9 +85,19 @@ gpu-check:
 demo: model
 	$(PY) -m scripts.clients.demo
 
+# The batch runner (python -m scripts.run_batch) on 288 example tickets; starts a server when none answers on
+# $(OPENAI_PORT) (~2 min here).
+batch: model
+	$(PY) -m scripts.clients.batch_example --url http://127.0.0.1:$(OPENAI_PORT)
+
 # Supervised: readiness on $(HEALTH_PORT)/health/ready, a dead model process is reloaded or the server restarted.
 # The OpenAI-compatible API runs beside it on $(OPENAI_PORT). SERVE_ARGS=--no-supervise runs tritonserver without
 # the supervisor, SERVE_ARGS=--no-openai without the OpenAI API.
+# API keys of the OpenAI API: `make serve OPENAI_API_KEY=k1,k2`, honoured only from make's command line (an exported
+# OPENAI_API_KEY, a user's key for OpenAI itself, never switches authentication on); passed in the environment.
+ifeq ($(origin OPENAI_API_KEY),command line)
+serve: export TRITON_LLM_API_KEYS := $(OPENAI_API_KEY)
+endif
 serve: model
 	$(PY) -m scripts.launcher.triton_server --address $(ADDRESS) \
 		$(if $(filter-out onnxruntime,$(RUNTIME)),--runtime $(RUNTIME)) \
@@ -129,5 +139,10 @@ sweep-quick: model
 perf-inputs: venv
 	$(PY) -m loadtests.perf_inputs --output build/perf
 
+# Keeps build/batches (the Batch API's database and files: users' data); `make clean-batches` deletes them.
 clean:
-	rm -rf build
+	@echo "deleting build/ except build/batches (the Batch API's files and jobs)"
+	[ ! -d build ] || find build -mindepth 1 -maxdepth 1 ! -name batches -exec rm -rf {} +
+
+clean-batches:
+	rm -rf build/batches

@@ -9,6 +9,7 @@ rendered with the model's own chat template here, and the ensemble gets the rend
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import urllib.request
 from contextlib import asynccontextmanager
@@ -21,7 +22,12 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openai_api.errors import APIError, InvalidRequest, TooLarge, unknown_model
+from openai_api.auth import ApiKeyMiddleware, tenant_salt
+from openai_api.batch.config import BatchConfig
+from openai_api.batch.routes import batch_router, owner
+from openai_api.batch.runner import BatchRunner, RunnerConfig
+from openai_api.batch.store import Store
+from openai_api.errors import APIError, InvalidRequest, TooLarge, Unavailable, unknown_model
 from openai_api.generation import Choice, complete, first_pieces, stream_events
 from openai_api.metrics import ApiMetrics, MetricsMiddleware
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -45,6 +51,8 @@ class ServiceConfig:
     served_model_name: str | None = None  # default: llm_settings.json's model_name
     health_url: str | None = None  # e.g. the supervisor's http://127.0.0.1:8003/health/ready
     default_max_tokens: int | None = None  # chat without max_tokens; default: the rest of the context
+    api_keys: tuple[str, ...] = ()  # none: the API is open (then bind it to loopback only)
+    batch: BatchConfig = BatchConfig()
 
 
 class ClientGone(Exception):
@@ -69,6 +77,14 @@ class Service:
 
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "triton-llm"}
+
+    async def model_card_with_batch(self) -> dict:
+        """The card, and (an extension) the engine's max_batch_size, from which batch runners size their
+        concurrency; left out while Triton does not answer."""
+        try:
+            return {**self.model_card(), "max_batch_size": await self.backend.max_batch_size()}
+        except Unavailable:
+            return self.model_card()
 
     def render_chat(self, messages: list[dict], tools: ToolUse | None = None) -> list[int]:
         """A conversation's prompt ids, by the model's own chat template, ready for the assistant's turn. The
@@ -130,12 +146,16 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
+        runner.start()
         yield
+        await runner.stop()
+        store.close()
         await service.backend.close()
 
     app = FastAPI(title="OpenAI-compatible API for Triton", lifespan=lifespan, openapi_url=None)
     app.state.service = service
     metrics = ApiMetrics()
+    app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)  # inside the metrics: 401s are counted
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -153,13 +173,13 @@ def create_app(config: ServiceConfig) -> FastAPI:
         log.exception("request failed")
         return JSONResponse(APIError(f"{type(error).__name__}: {error}").body(), status_code=500)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body: CompletionRequest = parse_request(CompletionRequest, await read_body(request), service.vocab_size)
+    async def completion_choices(raw: bytes, owner: str) -> tuple[list[Choice], CompletionFormat, bool]:
+        body: CompletionRequest = parse_request(CompletionRequest, raw, service.vocab_size)
         service.check_model(body.model)
         budgets = [await service.budget(prompt, "prompt", body.completion_max_tokens) for prompt in body.prompt]
         shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
-                      top_log_probs=body.logprobs or 0, **body.sampling())
+                      top_log_probs=body.logprobs or 0, **body.sampling(),
+                      cache_salt=tenant_salt(owner, body.cache_salt))
         n = body.choices_per_prompt
         choices = [
             Choice(p * n + j, p, service.backend.generate(
@@ -167,11 +187,10 @@ def create_app(config: ServiceConfig) -> FastAPI:
                 CompletionLogprobs(service.texts) if body.logprobs is not None else None)
             for p, (prompt, max_tokens) in enumerate(zip(body.prompt, budgets)) for j in range(n)
         ]
-        return await respond(request, choices, CompletionFormat(service.model, body.include_usage), body.stream)
+        return choices, CompletionFormat(service.model, body.include_usage), bool(body.stream)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request), service.vocab_size)
+    async def chat_choices(raw: bytes, owner: str) -> tuple[list[Choice], ChatFormat, bool]:
+        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw, service.vocab_size)
         service.check_model(body.model)
         tools = body.tool_use()
         prompt_ids = service.render_chat([m.template_message() for m in body.messages], tools)
@@ -180,23 +199,51 @@ def create_app(config: ServiceConfig) -> FastAPI:
         prompt = service.tokenizer.tokenizer.decode(prompt_ids)  # text_input, for its byte limit; not tokenized again
         logprobs = bool(body.logprobs)
         shared = dict(stream=bool(body.stream), log_probs=logprobs, top_log_probs=body.top_logprobs or 0,
-                      **body.sampling())
+                      **body.sampling(), cache_salt=tenant_salt(owner, body.cache_salt))
         choices = [
             Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, prompt_ids=prompt_ids,
                                                                   seed=body.seed_of(j), **shared)),
                    ChatLogprobs(service.texts) if logprobs else None, CallStream(tools) if tools else None)
             for j in range(body.choices_per_prompt)
         ]
-        return await respond(request, choices, ChatFormat(service.model, body.include_usage), body.stream)
+        return choices, ChatFormat(service.model, body.include_usage), bool(body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await respond(request, *await completion_choices(await read_body(request), owner(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(request, *await chat_choices(await read_body(request), owner(request)))
+
+    async def batch_line(endpoint: str, body: dict, owner: str) -> tuple[int, dict]:
+        """A batch line's body through the live endpoint's code, behind live requests (a positive priority)."""
+        if body.get("stream"):
+            return 400, InvalidRequest("stream is not supported in a batch", param="stream").body()
+        priority = body.get("priority")
+        if not (isinstance(priority, int) and priority > 0):
+            body = {**body, "priority": config.batch.line_priority}
+        build = chat_choices if endpoint == "/v1/chat/completions" else completion_choices
+        try:
+            choices, fmt, _ = await build(json.dumps(body).encode("utf-8"), owner)
+            return 200, await complete(choices, fmt)
+        except APIError as error:
+            return error.status, error.body()
+
+    store = Store(config.batch.data_dir)
+    runner = BatchRunner(store, batch_line, RunnerConfig(concurrency=config.batch.concurrency,
+                                                         retention_s=config.batch.retention_days * 86400),
+                         observer=metrics)
+    app.include_router(batch_router(store, runner, config.batch))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [service.model_card()]}
+        return {"object": "list", "data": [await service.model_card_with_batch()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         service.check_model(model_id)
-        return service.model_card()
+        return await service.model_card_with_batch()
 
     @app.get("/health/ready")
     async def ready():

@@ -1,14 +1,17 @@
 """The service's own Prometheus metrics, on GET /metrics: requests by endpoint and HTTP status, and the time from a
 request's arrival to the start of its response. A stream's 200 is sent only after Triton's first response
-(app.py), so for streams that time is the time to first token as the client sees it, front included."""
+(app.py), so for streams that time is the time to first token as the client sees it, front included. And the
+Batch API's: batches by status, batch lines ended, and their output tokens (a rate of it is the batch tokens/s)."""
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/files", "/v1/batches")
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                  "cancelled")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -22,13 +25,29 @@ class ApiMetrics:
             "Arrival to the start of the response (for a stream: its first token)", ["endpoint"],
             buckets=LATENCY_BUCKETS, registry=self.registry)
 
+        self.batches = Gauge("openai_api_batches", "Batches by status", ["status"], registry=self.registry)
+        self.batch_lines = Counter("openai_api_batch_lines", "Batch lines ended, by result (completed: HTTP 200; "
+                                   "failed: an error line)", ["result"], registry=self.registry)
+        self.batch_output_tokens = Counter("openai_api_batch_output_tokens", "Output tokens of batch lines",
+                                           registry=self.registry)
+
+    # The batch runner's observer (openai_api/batch/runner.py).
+    def line_done(self, ok: bool, output_tokens: int) -> None:
+        self.batch_lines.labels("completed" if ok else "failed").inc()
+        self.batch_output_tokens.inc(output_tokens)
+
+    def batch_status(self, counts: dict[str, int]) -> None:
+        for status in BATCH_STATUSES:
+            self.batches.labels(status).set(counts.get(status, 0))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 def endpoint_of(path: str) -> str | None:
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{id}"
+    for prefix in ("/v1/models/", "/v1/files/", "/v1/batches/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
     return path if path in ENDPOINTS else None
 
 

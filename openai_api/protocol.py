@@ -54,7 +54,16 @@ class _SamplingRequest(Strict):
     # vLLM's extra field: cached prompt prefixes are shared only between requests with the same salt (the server
     # checks its 256-byte limit).
     cache_salt: str | None = None
+    # vLLM's extra field: lower runs earlier (default 0); a batch job's lines run with a positive one.
+    priority: int | None = Field(None, ge=-2**31, le=2**31 - 1)
     response_format: ResponseFormat | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_size(cls, value: str | None):
+        if value is not None and len(value.encode("utf-8")) > 256:
+            raise ValueError("cache_salt is more than 256 bytes")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -108,8 +117,8 @@ class _SamplingRequest(Strict):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
-            "cache_salt": self.cache_salt or "",
             "guide": self.guide(),
+            "priority": self.priority or 0,
         }
 
     def guide(self) -> Guide | None:

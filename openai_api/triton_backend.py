@@ -44,6 +44,7 @@ class EnsembleRequest:
     top_log_probs: int = 0
     cache_salt: str = ""
     guide: Guide | None = None  # structured output: the grammar the engine enforces
+    priority: int = 0  # lower runs earlier; batch jobs' lines run with a positive one
 
     def inputs(self) -> list[grpcclient.InferInput]:
         tensors = [
@@ -78,6 +79,8 @@ class EnsembleRequest:
             tensors.append(_tensor("num_top_log_probs", np.array([[self.top_log_probs]], np.int32)))
         if self.cache_salt:
             tensors.append(_tensor("cache_salt", np.array([[self.cache_salt.encode("utf-8")]], np.object_)))
+        if self.priority:
+            tensors.append(_tensor("priority", np.array([[self.priority]], np.int32)))
         if self.guide:
             tensors.append(_tensor("guided_decoding_guide_type", np.array([[self.guide.type.encode()]], np.object_)))
             tensors.append(_tensor("guided_decoding_guide", np.array([[self.guide.text.encode("utf-8")]], np.object_)))
@@ -227,7 +230,7 @@ class TritonBackend:
         self.url = url
         self._max_position_embeddings = max_position_embeddings
         self._client: grpcclient.InferenceServerClient | None = None
-        self._context_length: int | None = None
+        self._config: dict | None = None
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -255,17 +258,25 @@ class TritonBackend:
         except InferenceServerException as error:
             return [f"Triton at {self.url} does not answer: {error.message()}"]
 
-    async def context_length(self) -> int:
-        """prompt + max_tokens must fit here: the llm model's max_context_length, capped by the model's
-        max_position_embeddings, as the llm model caps it. Read from Triton once."""
-        if self._context_length is None:
+    async def _llm_config(self) -> dict:
+        """The llm model's config, read from Triton once."""
+        if self._config is None:
             try:
                 config = await self.client.get_model_config(LLM, as_json=True, client_timeout=CHECK_TIMEOUT_S)
             except InferenceServerException as error:
                 raise Unavailable(f"Triton at {self.url} does not answer: {error.message()}") from None
-            configured = int(config["config"]["parameters"]["max_context_length"]["string_value"])
-            self._context_length = min(configured, self._max_position_embeddings or configured)
-        return self._context_length
+            self._config = config["config"]
+        return self._config
+
+    async def context_length(self) -> int:
+        """prompt + max_tokens must fit here: the llm model's max_context_length, capped by the model's
+        max_position_embeddings, as the llm model caps it."""
+        configured = int((await self._llm_config())["parameters"]["max_context_length"]["string_value"])
+        return min(configured, self._max_position_embeddings or configured)
+
+    async def max_batch_size(self) -> int:
+        """The engine's decode batch: how many requests a client keeps in flight to fill it."""
+        return int((await self._llm_config())["max_batch_size"])
 
 
 async def _once(message: dict):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import uvicorn
 
+from openai_api.auth import KEYS_ENV, parse_keys
+from openai_api.batch.config import DEFAULT_DATA_DIR, BatchConfig
 from scripts.launcher.processes import Ports, terminate
 from scripts.paths import PROJECT_ROOT, default_model_dir
 
@@ -36,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-url", help="also required to answer 200 for /health/ready (the supervisor's)")
     parser.add_argument("--default-max-tokens", type=int,
                         help="chat requests without max_tokens (default: the rest of the context)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="a key clients must send (Authorization: Bearer); repeatable. Also read, comma-separated, "
+                             f"from ${KEYS_ENV}, which launchers use so that keys never appear in a command line. "
+                             "None: the API is open (keep it on loopback)")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                        help="the Batch API's database and files (default: build/batches; make clean keeps it)")
+    parser.add_argument("--batch-concurrency", type=int, default=BatchConfig.concurrency,
+                        help="batch lines in flight (default: the llm model's max_batch_size 32 minus its "
+                             "priority_reserved_slots 2)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -48,9 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: huggingface_hub reads HF_HUB_OFFLINE when it is first imported.
     from openai_api.app import ServiceConfig, create_app
 
+    keys = tuple(args.api_key) + parse_keys(os.environ.get(KEYS_ENV))
+    data_dir = args.data_dir if args.data_dir.is_absolute() else PROJECT_ROOT / args.data_dir
     app = create_app(ServiceConfig(triton_url=args.triton_url, model_dir=args.model_dir,
                                    served_model_name=args.served_model_name, health_url=args.health_url,
-                                   default_max_tokens=args.default_max_tokens))
+                                   default_max_tokens=args.default_max_tokens, api_keys=keys,
+                                   batch=BatchConfig(data_dir=data_dir, concurrency=args.batch_concurrency)))
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"WARNING: the OpenAI API listens on {args.host} without API keys: anyone who reaches the port can use "
+              f"it and read its batches; set --api-key or ${KEYS_ENV}", flush=True)
     print(f"openai api: http://{args.host}:{args.port}/v1 -> Triton gRPC {args.triton_url}", flush=True)
     # No access log: one line per request on a 2-core machine that also runs the model.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -60,26 +77,45 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def running_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_timeout_s: float = 120,
-                       log_level: str = "info"):
-    """This service in a subprocess on a free loopback port, in front of triton_url, until the block ends; yields its
-    base URL (http://127.0.0.1:PORT) once /health/ready answers 200. Used by the benchmark, the sweep and the tests."""
-    port = Ports.free().http
+                       log_level: str = "info", data_dir: Path | None = None, api_keys: tuple[str, ...] = (),
+                       port: int | None = None, extra_args: tuple[str, ...] = ()):
+    """This service in a subprocess on a free loopback port (or ``port``), in front of triton_url, until the block
+    ends; yields its base URL (http://127.0.0.1:PORT) once /health/ready answers 200. Its Batch API data goes to
+    ``data_dir`` (default: a folder beside the log). Keys travel in the environment, never in the command line.
+    Used by the benchmark, the sweep and the tests."""
+    process, url = start_openai_api(triton_url, model_dir, log_path, ready_timeout_s, log_level, data_dir, api_keys,
+                                    port, extra_args)
+    try:
+        yield url
+    finally:
+        terminate(process, 30)
+
+
+def start_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_timeout_s: float = 120,
+                     log_level: str = "info", data_dir: Path | None = None, api_keys: tuple[str, ...] = (),
+                     port: int | None = None, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """running_openai_api's process, left to the caller (a test that kills it); it is ready when this returns."""
+    port = port or Ports.free().http
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
+    data_dir = data_dir or log_path.parent / "openai-data"
+    env = {**os.environ, KEYS_ENV: ",".join(api_keys)}
+    with open(log_path, "a") as log:
         process = subprocess.Popen([sys.executable, "-m", "scripts.launcher.openai_server", "--triton-url", triton_url,
-                                    "--model-dir", str(model_dir), "--port", str(port), "--log-level", log_level],
-                                   cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            while not _answers_200(f"{url}/health/ready"):
-                if process.poll() is not None:
-                    raise RuntimeError(f"the OpenAI API exited with code {process.returncode}; see {log_path}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the OpenAI API was not ready within {ready_timeout_s:.0f} s; see {log_path}")
-                time.sleep(0.25)
-            yield url
-        finally:
-            terminate(process, 30)
+                                    "--model-dir", str(model_dir), "--port", str(port), "--log-level", log_level,
+                                    "--data-dir", str(data_dir), *extra_args],
+                                   cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not _answers_200(f"{url}/health/ready"):
+            if process.poll() is not None:
+                raise RuntimeError(f"the OpenAI API exited with code {process.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the OpenAI API was not ready within {ready_timeout_s:.0f} s; see {log_path}")
+            time.sleep(0.25)
+    except BaseException:
+        terminate(process, 30)
+        raise
+    return process, url
 
 
 def _answers_200(url: str) -> bool:

@@ -26,6 +26,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from openai_api.auth import KEYS_ENV, parse_keys
 from scripts.launcher.processes import Ports, stop, terminate
 from scripts.launcher.render_model_repository import repository_for
 from scripts.launcher.supervisor import Supervisor, python_models, serve_health
@@ -52,7 +53,7 @@ def prepare_python_backend() -> Path:
 
 
 def server_environment() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}  # the OpenAI API's keys are none of its business
     # The stub takes sys.prefix from the first python3 on PATH, so the venv's packages are importable in models.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     libs = [
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tritonserver", help="path of another tritonserver build (default: nvidia-pytriton's)")
     parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible API's port")
     parser.add_argument("--no-openai", action="store_true", help="do not run the OpenAI-compatible API")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="a key the OpenAI API requires (repeatable; also comma-separated in $TRITON_LLM_API_KEYS, "
+                             "which `make serve OPENAI_API_KEY=k1,k2` sets); passed to it in the environment")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
     return parser
 
@@ -167,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model_repository = repository_for(args.runtime, source=args.model_repository)
         print(f"runtime {args.runtime}: serving {args.model_repository}", flush=True)
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    env = dict(os.environ) if args.tritonserver else server_environment()
+    env = {k: v for k, v in os.environ.items() if k != KEYS_ENV} if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)
-    api = None if args.no_openai else subprocess.Popen(openai_command(args), cwd=PROJECT_ROOT)
+    keys = ",".join(args.api_key + list(parse_keys(os.environ.get(KEYS_ENV))))
+    api = None if args.no_openai else subprocess.Popen(openai_command(args), cwd=PROJECT_ROOT,
+                                                       env={**os.environ, KEYS_ENV: keys})
     try:
         if args.no_supervise:
             command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
