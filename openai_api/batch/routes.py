@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from openai_api.batch.config import BatchConfig
 from openai_api.batch.input_file import BatchFileError, read_lines
 from openai_api.batch.runner import ACTIVE, BatchRunner
-from openai_api.batch.store import Store, new_id
+from openai_api.batch.store import Store, batch_record
 from openai_api.errors import APIError, InvalidRequest, NotFound, TooLarge
 
 UPLOAD_CHUNK = 1 << 20
@@ -129,16 +129,8 @@ def batch_router(store: Store, runner: BatchRunner, config: BatchConfig) -> APIR
                                             config.max_line_bytes)
         except BatchFileError as error:
             raise InvalidRequest(str(error), param="input_file_id") from None
-        now = int(time.time())
-        record = {
-            "id": new_id("batch_"), "object": "batch", "endpoint": body["endpoint"], "errors": None,
-            "input_file_id": file.id, "completion_window": "24h", "status": "validating",
-            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-            "expires_at": now + config.completion_window_s, "finalizing_at": None, "completed_at": None,
-            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": len(lines), "completed": 0, "failed": sum(line.failed for line in lines)},
-            "metadata": metadata,
-        }
+        record = batch_record(file.id, body["endpoint"], lines, metadata, int(time.time()),
+                              config.completion_window_s)
         await asyncio.to_thread(store.add_batch, owner(request), record, lines)
         runner.wake()
         return record

@@ -56,6 +56,20 @@ class FileRecord:
                 "status": "processed", "status_details": None}
 
 
+def batch_record(input_file_id: str, endpoint: str, lines: list[Line], metadata: dict | None, now: int,
+                 window_s: int) -> dict:
+    """A new batch, as OpenAI's Batch object."""
+    return {
+        "id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
+        "input_file_id": input_file_id, "completion_window": "24h", "status": "validating",
+        "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+        "expires_at": now + window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
+        "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": len(lines), "completed": 0, "failed": sum(line.failed for line in lines)},
+        "metadata": metadata,
+    }
+
+
 @dataclass
 class Line:
     line: int  # 1-based line number in the input file

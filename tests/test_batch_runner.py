@@ -1,0 +1,202 @@
+"""The Batch API's pieces without a server: batch input files read into lines (a whole file refused only when it is
+not a batch file for the endpoint; each bad line kept with its own error), and the runner over a real SQLite store
+with a stand-in for the live endpoint (the server tests, tests/test_batch_api.py, run the real one): every line once,
+transient failures retried, a restart running only the lines without a result, cancel, expiry, retention, and lines
+ordered so that shared prompt prefixes run together."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from openai_api.batch.input_file import BatchFileError, read_lines
+from openai_api.batch.runner import BatchRunner, RunnerConfig, prefix_key
+from openai_api.batch.store import Store, batch_record
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id, content="hi", system="You are terse.", url=CHAT, **extra):
+    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+def write(tmp_path, *lines: str) -> object:
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read(tmp_path, *lines, max_line_bytes=1 << 20):
+    return read_lines(write(tmp_path, *lines), CHAT, max_lines=100, max_line_bytes=max_line_bytes)
+
+
+# --- input files ---
+
+@pytest.mark.parametrize("lines, message", [
+    ((), "has no lines"),
+    (("a,b,c", "1,2,3"), "is not JSONL"),
+    ((line("a"), line("b", url="/v1/embeddings")), "line 2: url '/v1/embeddings' does not match"),
+    (tuple(line(str(i)) for i in range(101)), "101 lines, more than the limit of 100"),
+])
+def test_a_file_that_is_not_a_batch_for_the_endpoint_is_refused_whole(tmp_path, lines, message):
+    with pytest.raises(BatchFileError, match=message):
+        read(tmp_path, *lines)
+
+
+def test_each_bad_line_gets_its_own_error_and_the_good_ones_run(tmp_path):
+    lines = read(tmp_path, line("a"), "{not json", line("a"), line("b", method="GET"), json.dumps(
+        {"custom_id": "c", "method": "POST", "body": {}}), line("d", extra_field=1), line("e", "x" * 300),
+        line("f"), max_line_bytes=250)
+    errors = {ln.line: ln.result["error"]["code"] for ln in lines if ln.failed}
+    assert errors == {2: "invalid_json", 3: "duplicate_custom_id", 4: "invalid_line", 5: "invalid_line",
+                      6: "invalid_line", 7: "line_too_large"}
+    assert [ln.custom_id for ln in lines if not ln.failed] == ["a", "f"]
+    assert "line 3" in lines[2].result["error"]["message"]
+
+
+def test_lines_sharing_a_prefix_sort_together():
+    bodies = [json.loads(line(str(i), f"q{i}", system=f"S{i % 2}"))["body"] for i in range(4)]
+    assert [b["messages"][0]["content"] for b in sorted(bodies, key=prefix_key)] == ["S0", "S0", "S1", "S1"]
+
+
+# --- the runner ---
+
+class Endpoint:
+    """Stands in for the live endpoint: answers each body with its user text, after ``fail_first`` 503s per line;
+    ``gate`` (an asyncio.Event) holds every call until set."""
+
+    def __init__(self, fail_first=0, gate=None):
+        self.calls, self.fail_first, self.gate, self.failures = [], fail_first, gate, {}
+
+    async def __call__(self, endpoint, body, owner):
+        content = body["messages"][-1]["content"]
+        self.calls.append(content)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failures.get(content, 0) < self.fail_first:
+            self.failures[content] = self.failures.get(content, 0) + 1
+            return 503, {"error": {"message": "queue full", "type": "server_error", "param": None, "code": None}}
+        return 200, {"id": f"chatcmpl-{content}", "choices": [{"message": {"content": content}}],
+                     "usage": {"completion_tokens": 1}}
+
+
+def new_batch(store, tmp_path, n, window_s=3600, owner="o"):
+    lines = read(tmp_path, *[line(f"id{i}", f"q{i}") for i in range(n)])
+    record = batch_record("file-x", CHAT, lines, None, int(time.time()), window_s)
+    store.add_batch(owner, record, lines)
+    return record["id"]
+
+
+async def run_until(store, runner, batch_id, statuses=("completed", "cancelled", "expired", "failed"), timeout=30):
+    deadline = time.monotonic() + timeout
+    while store.get_batch(None, batch_id)["status"] not in statuses:
+        assert time.monotonic() < deadline, store.get_batch(None, batch_id)
+        await asyncio.sleep(0.01)
+    return store.get_batch(None, batch_id)
+
+
+def output(store, record, key="output_file_id"):
+    file_id = record[key]
+    return [json.loads(x) for x in store.file_path(file_id).read_text().splitlines()] if file_id else []
+
+
+def test_every_line_runs_once_and_transient_failures_are_retried(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 6)
+    endpoint = Endpoint(fail_first=2)
+
+    async def main():
+        runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=3, retry_first_s=0.01))
+        runner.start()
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record
+
+    record = asyncio.run(main())
+    assert record["status"] == "completed" and record["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert sorted(r["custom_id"] for r in output(store, record)) == [f"id{i}" for i in range(6)]
+    assert len(endpoint.calls) == 18, "each line: two 503s, then its answer"
+    assert record["error_file_id"] is None and record["completed_at"] >= record["in_progress_at"]
+
+
+def test_after_a_restart_only_lines_without_a_result_run(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 5)
+    for n in (1, 2):  # done before the "crash"
+        store.finish_line(batch_id, n, {"custom_id": f"id{n - 1}", "response": {"status_code": 200}}, False)
+    store.change_batch(batch_id, lambda r: {**r, "status": "in_progress"})
+    store.close()
+    store = Store(tmp_path / "data")  # the process restarted
+    endpoint = Endpoint()
+
+    async def main():
+        runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=2))
+        runner.start()
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record
+
+    record = asyncio.run(main())
+    assert sorted(endpoint.calls) == ["q2", "q3", "q4"]
+    assert sorted(r["custom_id"] for r in output(store, record)) == [f"id{i}" for i in range(5)]
+    assert not store.finish_line(batch_id, 1, {}, False), "a line's result is written once"
+
+
+def test_cancel_stops_new_lines_and_keeps_finished_ones(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 10)
+
+    async def main():
+        gate = asyncio.Event()
+        endpoint = Endpoint(gate=gate)
+        runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=2))
+        runner.start()
+        while len(endpoint.calls) < 2:
+            await asyncio.sleep(0.01)
+        store.change_batch(batch_id, lambda r: {**r, "status": "cancelling"})
+        runner.wake()
+        gate.set()  # the two lines in flight finish
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record, endpoint
+
+    record, endpoint = asyncio.run(main())
+    assert record["status"] == "cancelled" and len(endpoint.calls) == 2
+    assert len(output(store, record)) == 2 and record["request_counts"]["completed"] == 2
+
+
+def test_a_batch_past_its_window_expires_with_an_error_line_for_each_line_left(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 3, window_s=-1)
+    endpoint = Endpoint()
+
+    async def main():
+        runner = BatchRunner(store, endpoint)
+        runner.start()
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record
+
+    record = asyncio.run(main())
+    assert record["status"] == "expired" and endpoint.calls == []
+    assert [e["error"]["code"] for e in output(store, record, "error_file_id")] == ["batch_expired"] * 3
+
+
+def test_retention_deletes_ended_batches_and_old_files(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 1)
+    store.change_batch(batch_id, lambda r: {**r, "status": "completed", "created_at": 0})
+    upload = tmp_path / "upload"
+    upload.write_text("x")
+    store.add_file("o", "f.jsonl", "batch", upload, 1, expires_at=10)
+    BatchRunner(store, Endpoint(), RunnerConfig(retention_s=100)).sweep(now=1000)
+    assert store.get_batch(None, batch_id) is None and store.list_files("o") == []
+
+
+def test_owners_see_only_their_own(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 1, owner="a")
+    assert store.get_batch("a", batch_id) and store.get_batch("b", batch_id) is None
+    assert store.list_batches("b") == []
