@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -112,6 +112,7 @@ benchmark: variants
 	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) \
 		--variants fp32,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
 	$(PY) -m scripts.bench.structured_benchmark --model-dir $(MODEL_DIR)
+	$(PY) -m scripts.bench.batch_benchmark --model-dir $(MODEL_DIR)
 
 # The peers (llama.cpp's server, onnxruntime-genai's generator) built once (~8 min), then beside fp32, int4 and fast
 # on the benchmark's workload (~4 min). `make benchmark PEERS=1` puts them in the whole benchmark once built.
@@ -125,6 +126,11 @@ benchmark-prefix: variants
 # and with the schema enforced, mask time per step, compile time (~2 min; make benchmark runs it too).
 benchmark-structured: variants
 	$(PY) -m scripts.bench.structured_benchmark --model-dir $(MODEL_DIR)
+
+# Batch jobs on one server (QUANT's folder): 1,000 chat requests by 32 concurrent clients and as one batch through
+# the Batch API; a steady live load's time to first token alone and while the batch runs (~6 min; in make benchmark).
+benchmark-batch: variants
+	$(PY) -m scripts.bench.batch_benchmark --model-dir $(MODEL_DIR)
 
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
