@@ -24,8 +24,9 @@ from scripts.paths import PROJECT_ROOT
 PROMETHEUS_DIR = PROJECT_ROOT / "deploy" / "prometheus"
 NEEDS = "needs Debian's prometheus package (apt-get install prometheus), which .ci/run installs"
 # Series that come from elsewhere than Triton's metrics port: the supervisor's /metrics (checked against a supervised
-# server in tests/test_recovery.py) and the OpenAI API's (tests/test_openai_api.py).
-NOT_FROM_TRITON = {"triton_llm_ready", "openai_api_requests_total", "openai_api_response_start_seconds_bucket"}
+# server in tests/test_recovery.py) and the OpenAI API's (tests/test_openai_api.py, tests/test_batch_api.py).
+NOT_FROM_TRITON = {"triton_llm_ready", "openai_api_requests_total", "openai_api_response_start_seconds_bucket",
+                   "openai_api_batches", "openai_api_batch_lines_total", "openai_api_batch_output_tokens_total"}
 
 promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=NEEDS)
 

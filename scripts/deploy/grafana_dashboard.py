@@ -66,6 +66,13 @@ PANELS = [
     panel("OpenAI API time to response start (streams: first token)", "s",
           ("histogram_quantile(0.95, sum by (le, endpoint) (rate(openai_api_response_start_seconds_bucket[5m])))",
            "p95 {{endpoint}}")),
+    panel("Batches by status (Batch API)", "short", ("sum by (status) (openai_api_batches)", "{{status}}"),
+          description="Batch jobs of the OpenAI API's /v1/batches in each status"),
+    panel("Batch lines and tokens/s (Batch API)", "short",
+          ("sum by (result) (rate(openai_api_batch_lines_total[1m]))", "lines/s {{result}}"),
+          ("rate(openai_api_batch_output_tokens_total[1m])", "output tokens/s"),
+          description="Batch lines ended per second (completed: HTTP 200; failed: an error line), and their output "
+                      "tokens per second; batch work runs behind live requests (priority)"),
 ]
 
 
