@@ -25,7 +25,8 @@ def test_every_query_reads_a_recording_rule_or_an_exported_metric():
     exported = set(re.findall(r'make\("(llm_[a-z_]+)"', (PROJECT_ROOT / "python_backend" / "serving" / "triton_metrics.py")
                               .read_text())) | {"triton_llm_ready", "nv_inference_request_success",
                                                 "nv_inference_request_failure", "openai_api_requests_total",
-                                                "openai_api_response_start_seconds_bucket"}
+                                                "openai_api_response_start_seconds_bucket", "openai_api_batches",
+                                                "openai_api_batch_lines_total", "openai_api_batch_output_tokens_total"}
     for expr in grafana_dashboard.queries(grafana_dashboard.dashboard()):
         bare = re.sub(r"\[[^\]]*\]|\{[^}]*\}|by \([^)]*\)", "", expr)  # no ranges, matchers, groupings
         names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare)) - {"sum", "rate", "histogram_quantile"}
@@ -36,7 +37,8 @@ def test_the_dashboard_shows_what_an_operator_needs():
     queries = " ".join(grafana_dashboard.queries(grafana_dashboard.dashboard()))
     for needed in ("time_to_first_token", "inter_token_latency", "output_tokens", "batch_size", "running_sequences",
                    "waiting_sequences", "kv_cache_bytes", "kv_cache_budget_bytes", "padding_waste", "queue_duration",
-                   "request_success", "request_errors", "openai_api_requests", "openai_api_response_start"):
+                   "request_success", "request_errors", "openai_api_requests", "openai_api_response_start",
+                   "openai_api_batches", "openai_api_batch_lines", "openai_api_batch_output_tokens"):
         assert needed in queries, needed
 
 
