@@ -86,8 +86,12 @@ def test_the_pieces_fit_the_project_and_each_other():
     assert container["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "health"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "health"}
     assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert any(m["mountPath"] == env["TRITON_LLM_MODEL_DIR"] for m in container["volumeMounts"])
+    batch_dir = re.search(r"ENV TRITON_LLM_BATCH_DIR=(\S+)", dockerfile).group(1)
+    assert any(m["mountPath"] == batch_dir for m in container["volumeMounts"]), "the Batch API's state on a volume"
+    keys = next(e for e in container["env"] if e["name"] == "TRITON_LLM_API_KEYS")
+    assert keys["valueFrom"]["secretKeyRef"]["optional"] is True, "API keys come from a Secret"
     labels = pod["metadata"]["labels"]
     for selector in (service["spec"]["selector"], manifests["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
                      deployment["spec"]["selector"]["matchLabels"]):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path("build/batches")  # relative to the working directory; `make clean` keeps it
+DATA_DIR_ENV = "TRITON_LLM_BATCH_DIR"  # the container sets it to a writable volume
+DEFAULT_DATA_DIR = Path("build/batches")  # relative to the project root; `make clean` keeps it
 
 
 @dataclass(frozen=True)

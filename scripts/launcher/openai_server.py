@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from openai_api.auth import KEYS_ENV, parse_keys
-from openai_api.batch.config import DEFAULT_DATA_DIR, BatchConfig
+from openai_api.batch.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, BatchConfig
 from scripts.launcher.processes import Ports, terminate
 from scripts.paths import PROJECT_ROOT, default_model_dir
 
@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a key clients must send (Authorization: Bearer); repeatable. Also read, comma-separated, "
                              f"from ${KEYS_ENV}, which launchers use so that keys never appear in a command line. "
                              "None: the API is open (keep it on loopback)")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help="the Batch API's database and files (default: build/batches; make clean keeps it)")
+    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR),
+                        help=f"the Batch API's database and files (default: ${DATA_DIR_ENV}, else build/batches, "
+                             "which make clean keeps)")
     parser.add_argument("--batch-concurrency", type=int, default=BatchConfig.concurrency,
                         help="batch lines in flight (default: the llm model's max_batch_size 32 minus its "
                              "priority_reserved_slots 2)")
