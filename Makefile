@@ -86,7 +86,7 @@ demo: model
 	$(PY) -m scripts.clients.demo
 
 # The batch runner (python -m scripts.run_batch) on 288 example tickets; starts a server when none answers on
-# $(OPENAI_PORT) (~2 min here).
+# $(OPENAI_PORT) (~3 min on the 2-core machine, 2 of them the run).
 batch: model
 	$(PY) -m scripts.clients.batch_example --url http://127.0.0.1:$(OPENAI_PORT)
 
