@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"  # comma-separated; never OPENAI_API_KEY, which users export for OpenAI itself
+KEYS_FILE_ENV = "TRITON_LLM_API_KEYS_FILE"  # a file of keys (comma- or newline-separated): a mounted Secret
 
 
 def owner_of(key: str) -> str:
@@ -19,7 +21,18 @@ def owner_of(key: str) -> str:
 
 
 def parse_keys(text: str | None) -> tuple[str, ...]:
-    return tuple(k.strip() for k in (text or "").split(",") if k.strip())
+    return tuple(k.strip() for k in (text or "").replace("\n", ",").split(",") if k.strip())
+
+
+def keys_from_environment(environ) -> tuple[str, ...]:
+    """$TRITON_LLM_API_KEYS, and the keys in the file $TRITON_LLM_API_KEYS_FILE names when it exists (an optional
+    Secret that was not created leaves no file: then no keys from it)."""
+    keys = parse_keys(environ.get(KEYS_ENV))
+    path = environ.get(KEYS_FILE_ENV)
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            keys += parse_keys(file.read())
+    return keys
 
 
 def tenant_salt(owner: str, given: str | None) -> str:

@@ -90,8 +90,10 @@ def test_the_pieces_fit_the_project_and_each_other():
     assert any(m["mountPath"] == env["TRITON_LLM_MODEL_DIR"] for m in container["volumeMounts"])
     batch_dir = re.search(r"ENV TRITON_LLM_BATCH_DIR=(\S+)", dockerfile).group(1)
     assert any(m["mountPath"] == batch_dir for m in container["volumeMounts"]), "the Batch API's state on a volume"
-    keys = next(e for e in container["env"] if e["name"] == "TRITON_LLM_API_KEYS")
-    assert keys["valueFrom"]["secretKeyRef"]["optional"] is True, "API keys come from a Secret"
+    keys_file = Path(env["TRITON_LLM_API_KEYS_FILE"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(keys_file.parent))
+    secret = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])["secret"]
+    assert secret["optional"] is True, "API keys come from a Secret, mounted as a file"
     labels = pod["metadata"]["labels"]
     for selector in (service["spec"]["selector"], manifests["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
                      deployment["spec"]["selector"]["matchLabels"]):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from openai_api.auth import KEYS_ENV, parse_keys
+from openai_api.auth import KEYS_ENV, keys_from_environment
 from openai_api.batch.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, BatchConfig
 from scripts.launcher.processes import Ports, terminate
 from scripts.paths import PROJECT_ROOT, default_model_dir
@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="chat requests without max_tokens (default: the rest of the context)")
     parser.add_argument("--api-key", action="append", default=[],
                         help="a key clients must send (Authorization: Bearer); repeatable. Also read, comma-separated, "
-                             f"from ${KEYS_ENV}, which launchers use so that keys never appear in a command line. "
+                             f"from ${KEYS_ENV} (launchers pass keys so, never on a command line) and from the file "
+                             "$TRITON_LLM_API_KEYS_FILE names (a mounted Secret). "
                              "None: the API is open (keep it on loopback)")
     parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR),
                         help=f"the Batch API's database and files (default: ${DATA_DIR_ENV}, else build/batches, "
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: huggingface_hub reads HF_HUB_OFFLINE when it is first imported.
     from openai_api.app import ServiceConfig, create_app
 
-    keys = tuple(args.api_key) + parse_keys(os.environ.get(KEYS_ENV))
+    keys = tuple(args.api_key) + keys_from_environment(os.environ)
     data_dir = args.data_dir if args.data_dir.is_absolute() else PROJECT_ROOT / args.data_dir
     app = create_app(ServiceConfig(triton_url=args.triton_url, model_dir=args.model_dir,
                                    served_model_name=args.served_model_name, health_url=args.health_url,
