@@ -229,6 +229,9 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return 200, await complete(choices, fmt)
         except APIError as error:
             return error.status, error.body()
+        except Exception as error:  # noqa: BLE001 - what a live request would get as a 500: final, not retried
+            log.exception("batch line failed")
+            return 500, APIError(f"{type(error).__name__}: {error}").body()
 
     store = Store(config.batch.data_dir)
     runner = BatchRunner(store, batch_line, RunnerConfig(concurrency=config.batch.concurrency,

@@ -260,6 +260,10 @@ def parse_request(model: type[_SamplingRequest], body: bytes, vocab_size: int | 
         raise InvalidRequest(f"The request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object")
+    try:  # JSON's \ud800-style escapes can spell a lone surrogate, which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("The request body holds a string that is not valid Unicode (a lone surrogate)") from None
     unsupported = UNSUPPORTED_CHAT if model is ChatCompletionRequest else UNSUPPORTED_COMPLETIONS
     for name in unsupported:
         if data.get(name) is not None:

@@ -200,3 +200,23 @@ def test_owners_see_only_their_own(tmp_path):
     batch_id = new_batch(store, tmp_path, 1, owner="a")
     assert store.get_batch("a", batch_id) and store.get_batch("b", batch_id) is None
     assert store.list_batches("b") == []
+
+
+def test_a_line_still_retried_when_the_window_closes_makes_the_batch_expire_with_it_reported(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 3, window_s=2)
+    endpoint = Endpoint()
+    endpoint.failures, endpoint.fail_first = {"q0": -10**9}, 1  # q0 is refused with 503 for ever, the others never
+
+    async def main():
+        runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=3, retry_first_s=0.05, retry_max_s=0.2))
+        runner.start()
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record
+
+    record = asyncio.run(main())
+    assert record["status"] == "expired"
+    assert sorted(r["custom_id"] for r in output(store, record)) == ["id1", "id2"]
+    assert [(e["custom_id"], e["error"]["code"]) for e in output(store, record, "error_file_id")] == [
+        ("id0", "batch_expired")]

@@ -23,13 +23,13 @@ def error_line(custom_id: str | None, code: str, message: str) -> dict:
 def read_lines(path: Path, endpoint: str, max_lines: int, max_line_bytes: int) -> list[Line]:
     if endpoint not in ENDPOINTS:
         raise BatchFileError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
-    raw = [line for line in path.read_bytes().split(b"\n") if line.strip()]
+    raw = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), start=1) if line.strip()]
     if not raw:
         raise BatchFileError("The input file has no lines: a batch file holds one JSON request per line")
     if len(raw) > max_lines:
         raise BatchFileError(f"The input file has {len(raw)} lines, more than the limit of {max_lines} per batch")
     lines, seen, parsed_any = [], set(), False
-    for number, text in enumerate(raw, start=1):
+    for number, text in raw:  # numbered as in the file, blank lines counted
         line = _line(number, text, endpoint, max_line_bytes, seen)
         parsed_any |= line.request is not None or (line.result or {}).get("error", {}).get("code") != "invalid_json"
         lines.append(line)

@@ -117,7 +117,8 @@ class BatchRunner:
                     task.cancel()
             record = await asyncio.to_thread(self.store.get_batch, None, batch_id)
             if record["status"] == "in_progress":
-                if time.time() > record["expires_at"]:
+                # Lines left without a result only when the window closed on them.
+                if time.time() > record["expires_at"] or await asyncio.to_thread(self.store.pending_lines, batch_id):
                     await self._finish(record, owner, "expired")
                     return
                 record = await self._set(record, "finalizing")
@@ -134,9 +135,10 @@ class BatchRunner:
                 status, body = await self._call(record["endpoint"], line.request, owner)
             if status not in TRANSIENT:
                 break
-            if time.time() + delay > record["expires_at"]:
-                return  # the window closes first: the line is reported expired
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            left = record["expires_at"] - time.time()
+            if left <= 0:
+                return  # the window closed: the batch expires, and this line gets its batch_expired error line
+            await asyncio.sleep(min(delay * (0.5 + random.random()), left))
             delay = min(2 * delay, self.config.retry_max_s)
         result = {"id": new_id("batch_req_"), "custom_id": line.custom_id,
                   "response": {"status_code": status, "request_id": body.get("id") or new_id("req_"), "body": body},
