@@ -8,6 +8,7 @@ from python_backend.engine.core import EngineCore, QueueFullError
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
+from python_backend.engine.step_output import NewTokens, StepOutput
 
 
 def seq(priority=0, max_tokens=32):
@@ -60,3 +61,17 @@ def test_background_work_never_makes_the_queue_refuse_live_work(decoder):
 def test_priority_reserved_slots_must_leave_a_row():
     with pytest.raises(ValueError, match="priority_reserved_slots"):
         SchedulerConfig(max_batch_size=4, priority_reserved_slots=4)
+
+
+def test_a_live_request_is_prefilled_before_the_batch_lines_admitted_with_it(decoder):
+    engine = core(decoder, max_batch_size=8)
+    long_batch_lines = [Sequence(prompt_ids=[1] + [504] * 40, params=SamplingParams(max_tokens=4, end_ids=()),
+                                 priority=1) for _ in range(3)]
+    live = seq(0)
+    for s in long_batch_lines + [live]:
+        engine.add(s)
+    first_tokens = []
+    for event in engine.stream(StepOutput()):
+        if isinstance(event, NewTokens):
+            first_tokens.append(event.seq)
+    assert first_tokens[0] is live, "the live request's first token comes before the batch lines' prefill"

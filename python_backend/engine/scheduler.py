@@ -139,7 +139,7 @@ class Scheduler:
     def prefill_chunks(self, admitted: list[Sequence]) -> list[list[Sequence]]:
         """Pops this step's prefill from the front of ``admitted`` (at most max_prefill_tokens prompt tokens, at least
         one sequence, so that no strategy's step runs unbounded while cancellations and the decode wait), in
-        chunks of similar prompt length."""
+        chunks of similar prompt length, more urgent priorities first."""
         taken, tokens = [], 0
         while admitted:
             size = len(admitted[0].prompt_ids)
@@ -147,7 +147,9 @@ class Scheduler:
                 break
             taken.append(admitted.pop(0))
             tokens += size
-        return length_sorted_chunks(taken)
+        # The most urgent first: a live request's first token does not wait for batch lines' prefill.
+        return [chunk for priority in sorted({s.priority for s in taken})
+                for chunk in length_sorted_chunks([s for s in taken if s.priority == priority])]
 
     def should_decode(self, running: list[Sequence], admitted: list[Sequence]) -> bool:
         """Whether the running batch decodes at this step: a group (dynamic, static) once all of it is prefilled,
