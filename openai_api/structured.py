@@ -1,5 +1,6 @@
 """Structured outputs: OpenAI's ``response_format`` as the guide the ensemble enforces token by token
-(``guided_decoding_guide_type`` and ``guided_decoding_guide``, TensorRT-LLM's names; docs/api.md#guided-decoding).
+(``guided_decoding_guide_type`` and ``guided_decoding_guide``, TensorRT-LLM's names;
+docs/api.md#guided-decoding-structured-outputs).
 
 The schema is passed on as given: whether it is valid, and what it allows, is the server's grammar engine's to judge
 (an invalid one comes back as a 400 that names the problem). OpenAI's extra rules for ``strict`` schemas

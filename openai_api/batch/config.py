@@ -1,4 +1,4 @@
-"""The Batch API's limits and where its state lives (docs/api.md#the-batch-api)."""
+"""The Batch API's limits and where its state lives (docs/api.md#files-and-batches-the-batch-api)."""
 
 from __future__ import annotations
 
