@@ -75,3 +75,10 @@ def test_a_live_request_is_prefilled_before_the_batch_lines_admitted_with_it(dec
         if isinstance(event, NewTokens):
             first_tokens.append(event.seq)
     assert first_tokens[0] is live, "the live request's first token comes before the batch lines' prefill"
+
+
+def test_the_configured_reserve_is_capped_by_a_small_batch():
+    params = {"batching_strategy": "continuous", "kv_cache_budget_mb": "1", "max_queue_size": "8",
+              "max_prefill_tokens": "64", "static_timeout_ms": "500", "priority_reserved_slots": "2"}
+    assert SchedulerConfig.from_parameters(params, 1, 1024).priority_reserved_slots == 0
+    assert SchedulerConfig.from_parameters(params, 32, 1024).priority_reserved_slots == 2

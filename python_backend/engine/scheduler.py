@@ -77,7 +77,8 @@ class SchedulerConfig:
             enable_kv_cache_reuse=kv_layout == "slots" and flag(params.get("enable_kv_cache_reuse", "false"),
                                                                 "enable_kv_cache_reuse"),
             max_queue_size=int(params["max_queue_size"]),
-            priority_reserved_slots=int(params.get("priority_reserved_slots") or 0),
+            # a batch of one or two rows (a small max_batch_size) keeps at least one row for batch work
+            priority_reserved_slots=min(int(params.get("priority_reserved_slots") or 0), max_batch_size - 1),
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
             static_timeout_s=float(params["static_timeout_ms"]) / 1000,
