@@ -15,12 +15,11 @@ import argparse
 import itertools
 import json
 import sys
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 from scripts.clients import run_batch
-from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.openai_server import answers_200, running_openai_api
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, default_model_dir
 
@@ -91,7 +90,7 @@ def regenerate(path: Path = EXAMPLE) -> None:
 @contextmanager
 def openai_front(url: str):
     """url when its /health/ready answers 200, else a tritonserver and the front started for the block."""
-    if _answers_200(f"{url}/health/ready"):
+    if answers_200(f"{url}/health/ready"):
         print(f"using the server at {url}", flush=True)
         yield url
         return
@@ -103,14 +102,6 @@ def openai_front(url: str):
         with running_openai_api(f"127.0.0.1:{ports.grpc}", default_model_dir(), log_dir / "batch-openai.log") as api:
             print(f"ready: {api}", flush=True)
             yield api
-
-
-def _answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def print_first_answers(output: Path, count: int = 3) -> None:

@@ -108,7 +108,7 @@ def start_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_tim
                                    cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + ready_timeout_s
-        while not _answers_200(f"{url}/health/ready"):
+        while not answers_200(f"{url}/health/ready"):
             if process.poll() is not None:
                 raise RuntimeError(f"the OpenAI API exited with code {process.returncode}; see {log_path}")
             if time.monotonic() > deadline:
@@ -120,7 +120,8 @@ def start_openai_api(triton_url: str, model_dir: Path, log_path: Path, ready_tim
     return process, url
 
 
-def _answers_200(url: str) -> bool:
+def answers_200(url: str) -> bool:
+    """Whether a GET of url answers 200 (anything else, or nothing, is False)."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status == 200
