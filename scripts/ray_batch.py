@@ -10,6 +10,7 @@ are run_batch's own. Ray Data reads the lines into blocks and maps them with an 
 (`num_cpus` --actor-cpus each): an actor keeps up to its server's `max_batch_size` (the model card's) requests in
 flight with asyncio, and picks its server by index from a small assigner actor, which gives a restarted actor its old
 server back. A worker killed mid-job is restarted by Ray (`max_restarts`) and its task re-run (`max_task_retries`).
+A local Ray instance (no --ray-address) runs its workers at niceness 0, not Ray's 15: see init_ray.
 
 Results are written by a Ray Data datasink as JSONL shards under --output: `part-NNNNN.jsonl` (output lines) and
 `part-NNNNN.errors.jsonl` (error lines). Each write task writes to temporary names; the commit, once the whole map
@@ -48,10 +49,10 @@ from scripts.clients.run_batch import BatchLine, Fatal, order_key, parse_lines, 
 
 ACTOR_CPUS = 0.25  # the actors wait on HTTP: a fraction of a core each leaves the cores to the servers
 MAX_RESTARTS = 5  # a killed actor is restarted this often, and each of its tasks retried as often
-ASYNC_CALLS_PER_TASK = 4  # Ray Data's default for an async UDF (RAY_DATA_DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY)
 MAX_BLOCK_ROWS = 1024  # rows per block at most: what a task retried after a killed actor sends again
 WRITE_TASKS = 1  # write tasks at once: a shard is small, and each worker process is a CPU-heavy start on a small node
 TMP_PREFIX = ".tmp-"
+WORKER_NICENESS_ENV = "RAY_worker_niceness"  # read by the raylet that ray.init starts
 
 
 # --- the servers ---
@@ -219,20 +220,20 @@ def run(items: list[dict], output: Path, urls: list[str], sizes: list[int], args
     """Maps the rows through one actor per server and writes the shards; returns what was written."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     assigner = ServerAssigner.remote(len(urls))
-    # A task (one block) runs ASYNC_CALLS_PER_TASK calls of `batch` rows at once: enough to fill its server's batch;
-    # two tasks per actor fill the gaps at a task's end. Blocks of at least two server batches and at most
-    # MAX_BLOCK_ROWS (what a killed actor re-runs), two per actor at least: few write tasks and shards.
-    batch = -(-max(sizes) // ASYNC_CALLS_PER_TASK)
+    # A task maps its whole block in one call, and an actor runs two calls at once; all their rows share the actor's
+    # semaphore, so the server's batch is refilled across a block's end as within a block. Blocks of at least two
+    # server batches and at most MAX_BLOCK_ROWS (what a killed actor re-runs), two per actor at least.
     block_rows = min(MAX_BLOCK_ROWS, max(2 * max(sizes), -(-len(items) // (4 * len(urls)))))
     blocks = min(len(items), max(2 * len(urls), -(-len(items) // block_rows)))
     dataset = ray.data.from_items(items, override_num_blocks=blocks)
     with warnings.catch_warnings():  # max_restarts and max_task_retries have no named parameter in Ray 2.60 yet
         warnings.filterwarnings("ignore", "`ray_remote_args` is deprecated", category=DeprecationWarning)
         results = dataset.map_batches(
-            ServerClient, batch_size=batch, batch_format="pandas",
+            ServerClient, batch_size=None, batch_format="pandas",
             fn_constructor_kwargs={"urls": urls, "sizes": sizes, "assigner": assigner, "headers": headers,
                                    "max_retry_s": args.max_retry_s, "timeout_s": args.timeout_s},
-            compute=ActorPoolStrategy(size=len(urls), max_tasks_in_flight_per_actor=2),
+            compute=ActorPoolStrategy(size=len(urls), max_tasks_in_flight_per_actor=2,
+                                      max_concurrent_calls_per_actor=2),
             num_cpus=args.actor_cpus, max_restarts=args.max_restarts, max_task_retries=args.max_restarts)
     sink = JsonlShards(output)
     results.write_datasink(sink, ray_remote_args={"num_cpus": args.actor_cpus}, concurrency=WRITE_TASKS)
@@ -245,6 +246,16 @@ def summary(written: Written, servers: int, wall_s: float) -> str:
     return (f"{written.done} done, {written.failed} failed on {servers} server{'s' * (servers != 1)}; "
             f"{written.output_tokens} output tokens in {wall_s:.1f} s: {written.output_tokens / wall_s:.1f} output "
             f"tokens/s, {(written.done + written.failed) / wall_s:.2f} lines/s; {written.shards} shards{extra}")
+
+
+def init_ray(address: str | None = None, **kwargs) -> None:
+    """ray.init, with the workers of a local instance at the servers' niceness. Ray starts its workers at niceness 15
+    by default; on a machine whose cores a server keeps busy, that starves the map actor, which then refills the
+    server's batch late: a median of 25 requests in flight of 32, and 0.84 of run_batch's tokens/s, against 0.92-0.96
+    at niceness 0 (docs/performance.md, Ray Data). A cluster's own setting (address given) is left alone."""
+    if address is None:
+        os.environ.setdefault(WORKER_NICENESS_ENV, "0")
+    ray.init(address=address, include_dashboard=False, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(items)} lines through {len(urls)} servers ({', '.join(urls)}), in flight per server: "
           f"{', '.join(map(str, sizes))}", flush=True)
     if not ray.is_initialized():
-        ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        init_ray(args.ray_address or os.environ.get("RAY_ADDRESS"))
     started = time.monotonic()
     try:
         written = run(items, output, urls, sizes, args) if items else Written()

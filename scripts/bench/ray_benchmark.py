@@ -84,7 +84,7 @@ def run(model_dir: Path, n: int) -> dict:
         warm = batch_file(out / "warm.jsonl", model, 32)
         for url in urls:  # warm-up: each server's first batch
             run_batch.main(["-i", str(warm), "-o", str(out / "warm-out.jsonl"), "--url", url, "--overwrite"])
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray_batch.init_ray(num_cpus=2, log_to_driver=False)
 
         rows = {}
         plain = out / "run_batch.jsonl"
