@@ -8,7 +8,7 @@ from python_backend.engine.core import EngineCore, QueueFullError
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
-from python_backend.engine.step_output import NewTokens, StepOutput
+from python_backend.engine.step_output import Decoded, NewTokens, StepOutput
 
 
 def seq(priority=0, max_tokens=32):
@@ -82,3 +82,87 @@ def test_the_configured_reserve_is_capped_by_a_small_batch():
               "max_prefill_tokens": "64", "static_timeout_ms": "500", "priority_reserved_slots": "2"}
     assert SchedulerConfig.from_parameters(params, 1, 1024).priority_reserved_slots == 0
     assert SchedulerConfig.from_parameters(params, 32, 1024).priority_reserved_slots == 2
+
+
+def background_rows(engine) -> int:
+    return sum(s.priority > 0 for s in engine.running + engine.prefilling)
+
+
+def test_while_live_work_runs_background_work_is_held_to_its_rows(decoder):
+    engine = core(decoder, max_batch_size=8, priority_reserved_slots=1, background_rows_with_live=2,
+                  live_grace_s=3600)
+    live = seq(0, max_tokens=64)
+    engine.add(live)
+    for _ in range(6):
+        engine.add(seq(1, max_tokens=64))
+    engine.step()
+    assert live in engine.running and background_rows(engine) == 2 and len(engine.waiting) == 4
+    engine.step()
+    assert background_rows(engine) == 2, "no more background rows while the live request runs"
+
+
+def test_without_live_work_background_work_fills_the_batch(decoder):
+    engine = core(decoder, max_batch_size=8, priority_reserved_slots=1, background_rows_with_live=2)
+    for _ in range(8):
+        engine.add(seq(1, max_tokens=64))
+    engine.step()
+    assert background_rows(engine) == 7, "all but the reserved row"
+
+
+def test_the_bound_lifts_once_live_work_is_gone_for_the_grace_time(decoder):
+    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=0)
+    engine.add(seq(0, max_tokens=1))
+    for _ in range(6):
+        engine.add(seq(1, max_tokens=64))
+    engine.step()
+    assert background_rows(engine) == 2
+    engine.step()  # the live request finished in the first step, and the grace time is 0
+    assert background_rows(engine) == 6
+
+
+def test_the_bound_stays_on_between_a_clients_live_requests(decoder):
+    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=3600)
+    engine.add(seq(0, max_tokens=1))
+    for _ in range(6):
+        engine.add(seq(1, max_tokens=64))
+    engine.step()
+    engine.step()
+    assert background_rows(engine) == 2, "the next live request is likely within the grace time"
+
+
+def test_while_live_work_runs_background_prefill_is_held_to_its_tokens(decoder):
+    engine = core(decoder, max_batch_size=8, background_prefill_tokens_with_live=4, live_grace_s=3600)
+    engine.add(seq(0, max_tokens=64))
+    for _ in range(4):
+        engine.add(seq(1, max_tokens=64))  # 3 prompt tokens each: one fits 4, two do not
+    engine.step()
+    assert background_rows(engine) == 1
+    engine.step()
+    assert background_rows(engine) == 2
+
+
+def test_the_live_bounds_must_not_be_negative():
+    with pytest.raises(ValueError, match="background_rows_with_live"):
+        SchedulerConfig(background_rows_with_live=-1)
+
+
+def decoded(out: StepOutput) -> bool:
+    return any(isinstance(e, Decoded) for e in out.events)
+
+
+def test_while_live_work_runs_background_prefill_and_the_decode_take_turns(decoder):
+    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=3600)
+    engine.add(seq(0, max_tokens=64))
+    assert decoded(engine.step())
+    engine.add(seq(1, max_tokens=64))
+    assert not decoded(engine.step()), "the background line's prefill is a step of its own"
+    engine.add(seq(1, max_tokens=64))
+    assert decoded(engine.step()), "never two prefill steps in a row: the decode goes on"
+
+
+def test_without_live_work_background_prefill_and_the_decode_share_a_step(decoder):
+    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=3600)
+    engine.add(seq(1, max_tokens=64))
+    engine.step()
+    engine.add(seq(1, max_tokens=64))
+    assert decoded(engine.step())

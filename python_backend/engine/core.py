@@ -73,6 +73,8 @@ class EngineCore:
         self._cancelled: dict[str, float] = {}  # key -> when the cancel arrived
         self._intake_lock = nullcontext() if intake_lock is None else intake_lock
         self._reported_state: EngineState | None = None
+        self._live_seen_at = float("-inf")  # when a live sequence (priority <= 0) last waited or ran
+        self._decoded_last_step = False
 
     @property
     def has_work(self) -> bool:
@@ -145,9 +147,11 @@ class EngineCore:
         with self._intake_lock:
             cancelled = self._apply_cancellations()
             busy = self.running + self.prefilling
-            self.prefilling += self.scheduler.admit(
-                self.waiting, busy, self.cache.cache_len, time.monotonic()
-            )
+            clock = time.monotonic()
+            if (self.waiting and self.waiting[0].priority <= 0) or any(s.priority <= 0 for s in busy):
+                self._live_seen_at = clock
+            live_active = clock - self._live_seen_at <= self.config.live_grace_s
+            self.prefilling += self.scheduler.admit(self.waiting, busy, self.cache.cache_len, clock, live_active)
         for seq in cancelled:
             yield from self._emit(seq)
         if self.prefix is not None:  # the cache gets what the admitted reservations leave, before they are written
@@ -161,8 +165,13 @@ class EngineCore:
             if now != counts:
                 yield PrefixLookup(*(a - b for a, b in zip(now, counts)))
         decoding = self.scheduler.should_decode(self.running, self.prefilling)
+        if decoding and live_active and self._decoded_last_step and any(s.priority > 0 for c in chunks for s in c):
+            # A live request waits for the step it arrives into: while live work is about, background prefill and
+            # the decode take turns, each a short step (never two prefill steps in a row: the decode goes on).
+            decoding = False
         if decoding:
             yield from self._decode()
+        self._decoded_last_step = decoding
         self._retire()
         state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), self.cache.cache_bytes(),
                             self.prefix.cached_bytes() if self.prefix else 0)

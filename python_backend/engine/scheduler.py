@@ -4,6 +4,8 @@ The engine's core (core.py) holds the queues and asks at every step; the schedul
 
 Waiting sequences are taken by priority (lower first; the core keeps the queue so ordered), first come, first served
 within one; sequences with a positive priority (batch jobs) never take the last ``priority_reserved_slots`` rows.
+While live work is about (continuous), background work is also held to ``background_rows_with_live`` rows and
+``background_prefill_tokens_with_live`` prompt tokens a step: a live request then arrives into a short step.
 
 - ``continuous``: any step may admit new sequences (first come, first served) while the running batch has room;
   prefill of newcomers happens before the step's decode, which runs at every step.
@@ -47,6 +49,12 @@ class SchedulerConfig:
     max_queue_size: int = 256  # waiting sequences (of a priority or more urgent) beyond this are refused (503)
     # Rows that sequences with priority > 0 (batch jobs) never take, so that live requests find one at once.
     priority_reserved_slots: int = 0
+    # While a live sequence (priority <= 0) waits or runs, or did within live_grace_s, background sequences are
+    # admitted only up to this many running rows and this many prompt tokens a step (at least one sequence); 0: no
+    # bound. On a CPU a step's time grows with its rows, and a live request waits for the step it arrives into.
+    background_rows_with_live: int = 0
+    background_prefill_tokens_with_live: int = 0
+    live_grace_s: float = 1.0  # a client's next live request usually comes within this: the bound stays on
     max_prefill_tokens: int = 1024  # continuous: prompt tokens prefilled per step, at least one sequence
     static_batch_size: int = 8
     static_timeout_s: float = 0.5
@@ -60,6 +68,9 @@ class SchedulerConfig:
         if not 0 <= self.priority_reserved_slots < self.max_batch_size:
             raise ValueError(f"priority_reserved_slots must be in [0, max_batch_size {self.max_batch_size}), got "
                              f"{self.priority_reserved_slots}")
+        if min(self.background_rows_with_live, self.background_prefill_tokens_with_live, self.live_grace_s) < 0:
+            raise ValueError("background_rows_with_live, background_prefill_tokens_with_live and live_grace_ms must "
+                             "be at least 0")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int,
@@ -79,6 +90,9 @@ class SchedulerConfig:
             max_queue_size=int(params["max_queue_size"]),
             # a batch of one or two rows (a small max_batch_size) keeps at least one row for batch work
             priority_reserved_slots=min(int(params.get("priority_reserved_slots") or 0), max_batch_size - 1),
+            background_rows_with_live=int(params.get("background_rows_with_live") or 0),
+            background_prefill_tokens_with_live=int(params.get("background_prefill_tokens_with_live") or 0),
+            live_grace_s=float(params.get("live_grace_ms") or 1000) / 1000,
             max_prefill_tokens=int(params["max_prefill_tokens"]),
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
             static_timeout_s=float(params["static_timeout_ms"]) / 1000,
@@ -122,13 +136,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
 
-    def admit(self, waiting: deque[Sequence], running: list[Sequence], cache_len: int, now: float) -> list[Sequence]:
-        """Pops the sequences to prefill now from the front of ``waiting``."""
+    def admit(self, waiting: deque[Sequence], running: list[Sequence], cache_len: int, now: float,
+              live_active: bool = False) -> list[Sequence]:
+        """Pops the sequences to prefill now from the front of ``waiting``. live_active: live work waits or runs, or
+        did within live_grace_s (the core keeps that time)."""
         c = self.config
         if not waiting:
             return []
         if c.strategy == "continuous":
-            return self._take(waiting, running, cache_len, c.max_prefill_tokens)
+            return self._take(waiting, running, cache_len, c.max_prefill_tokens, live_active=live_active)
         if running:
             return []  # dynamic and static: a group runs to completion before the next starts
         if c.strategy == "static":
@@ -164,17 +180,28 @@ class Scheduler:
             return [row for row, s in enumerate(running) if s.finish_reason not in ("cancelled", "error")]
         return [row for row, s in enumerate(running) if not s.finished]
 
-    def _take(self, waiting, running, cache_len, prefill_tokens, limit=None, bucket=None) -> list[Sequence]:
+    def _take(self, waiting, running, cache_len, prefill_tokens, limit=None, bucket=None,
+              live_active=False) -> list[Sequence]:
         c = self.config
         limit = min(limit or c.max_batch_size, c.max_batch_size - len(running))
-        background_room = c.max_batch_size - c.priority_reserved_slots - sum(s.priority > 0 for s in running)
+        background_running = sum(s.priority > 0 for s in running)
+        background_room = c.max_batch_size - c.priority_reserved_slots - background_running
+        background_tokens = None
+        if live_active:
+            if c.background_rows_with_live:
+                background_room = min(background_room, c.background_rows_with_live - background_running)
+            background_tokens = c.background_prefill_tokens_with_live or None
         taken: list[Sequence] = []
-        prompt_tokens = 0
+        prompt_tokens = background_taken = background_prompt_tokens = 0
         skipped: list[Sequence] = []
         while waiting and len(taken) < limit:
             candidate = waiting[0]
-            if candidate.priority > 0 and sum(s.priority > 0 for s in taken) >= background_room:
-                break  # the queue is ordered by priority: only background work is left
+            if candidate.priority > 0:  # the queue is ordered by priority: only background work is left
+                if background_taken >= background_room:
+                    break
+                if (background_tokens is not None and background_taken
+                        and background_prompt_tokens + len(candidate.prompt_ids) > background_tokens):
+                    break
             if bucket is not None and self._bucket(candidate) != bucket:
                 skipped.append(waiting.popleft())
                 continue
@@ -184,6 +211,9 @@ class Scheduler:
                 break
             taken.append(waiting.popleft())
             prompt_tokens += len(candidate.prompt_ids)
+            if candidate.priority > 0:
+                background_taken += 1
+                background_prompt_tokens += len(candidate.prompt_ids)
         waiting.extendleft(reversed(skipped))
         return taken
 

@@ -8,7 +8,7 @@
   output tokens/s of each, and whether the answers are the same text.
 - Priority: a steady live load (2 clients, each sending one streaming chat request after another) alone for
   --live-s seconds, then again while the N-line batch runs: time to first token p50/p95 of the live requests, and
-  the batch's own completion.
+  the batch's own completion, and how fast it went during the window against alone.
 """
 
 from __future__ import annotations
@@ -131,8 +131,12 @@ def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = 
             time.sleep(0.2)
         stop = threading.Event()
         threading.Timer(live_s, stop.set).start()
+        window_started, done_before = time.perf_counter(), client.batches.retrieve(batch_id).request_counts.completed
         during = live_clients(client, model, stop)
-        still_running = client.batches.retrieve(batch_id).status == "in_progress"
+        window = time.perf_counter() - window_started
+        progress = client.batches.retrieve(batch_id)
+        still_running = progress.status == "in_progress"
+        lines_in_window = progress.request_counts.completed - done_before
         log(f"live during the batch: {len(during)} requests, TTFT p95 {percentile(during, 95):.3f} s")
         background_answers, _ = wait_batch(client, batch_id)
     return {
@@ -146,7 +150,10 @@ def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = 
                      "during_requests": len(during), "during_ttft_p50": percentile(during, 50),
                      "during_ttft_p95": percentile(during, 95),
                      "ratio_p95": percentile(during, 95) / percentile(alone, 95),
-                     "batch_ran_throughout": still_running, "batch_completed_lines": len(background_answers)},
+                     "batch_ran_throughout": still_running, "batch_completed_lines": len(background_answers),
+                     "batch_lines_during_window": lines_in_window,
+                     "batch_lines_per_s_during_window": lines_in_window / window,
+                     "batch_lines_per_s_alone": n / batch_wall},
     }
 
 
@@ -170,6 +177,8 @@ def print_table(result: dict) -> None:
     print(f"| with / alone, p95 | | | x{p['ratio_p95']:.2f} |")
     print(f"(the batch was still running at the end of the window: {p['batch_ran_throughout']}; it then completed "
           f"all {p['batch_completed_lines']} lines)")
+    print(f"(the batch during the window: {p['batch_lines_during_window']} lines, "
+          f"{p['batch_lines_per_s_during_window']:.2f} lines/s, against {p['batch_lines_per_s_alone']:.2f} alone)")
 
 
 def main(argv: list[str] | None = None) -> int:
