@@ -1,4 +1,4 @@
-"""Structured outputs' cost and guarantee, one server, one run (about 2 minutes here):
+"""Structured outputs' cost and guarantee, one server, one run (about 5 minutes here):
 
     python -m scripts.bench.structured_benchmark                  # QUANT=int4's folder
     python -m scripts.bench.structured_benchmark --model-dir build/model
@@ -8,7 +8,10 @@
   (guided_decoding_guide_type json_schema), alternating, --repeats times: output tokens/s (median run) and how many
   answers parse and validate with jsonschema. Enforced answers are shorter (the grammar ends them), so prefill
   weighs more in their wall time: a third run sends the unenforced requests with each one's length fixed to its
-  enforced answer's, which leaves the masks as the only difference;
+  enforced answer's, which leaves the masks as the only difference. One wave of n requests ends with a tail of a
+  few rows (the longest answers), which weighs more when the answers' lengths spread, as enforced ones do; the
+  sustained runs keep n requests in flight (each client sends its next at once, ROUNDS each) without and with the
+  schema, as a load test at concurrency n does;
 - the masks' time per step, in this process on the same matchers the server uses, replaying the enforced answers'
   tokens: one row alone, and all rows together as the engine computes them (llguidance's thread pool);
 - compile time of the held set's schemas: cold (a new compiler) and cached.
@@ -38,7 +41,8 @@ from scripts.prepare.quantize import variant_dir
 
 MAX_TOKENS = 128
 NEVER_WRITTEN = 49151  # SmolLM2's last vocabulary entry, as end_id: generation runs to max_tokens
-MODES = ("free", "enforced", "free_same_lengths")
+MODES = ("free", "enforced", "free_same_lengths", "free_sustained", "enforced_sustained")
+ROUNDS = 4  # sustained: each of the n clients sends this many requests, one after another
 
 
 def requests(n: int, enforce: bool, lengths: list[int] | None = None) -> list[dict]:
@@ -71,8 +75,10 @@ def served_runs(grpc: str, n: int, repeats: int) -> dict:
     for _ in range(repeats):
         lengths = None
         for mode in MODES:
-            batch = requests(n, mode == "enforced", lengths if mode == "free_same_lengths" else None)
-            results, wall = through_server(batch, grpc, concurrent=True)
+            sustained = mode.endswith("_sustained")
+            batch = requests(n * ROUNDS if sustained else n, mode.startswith("enforced"),
+                             lengths if mode == "free_same_lengths" else None)
+            results, wall = through_server(batch, grpc, concurrent=True, concurrency=n)
             if mode == "enforced":
                 lengths = [r.output_tokens for r in results]
             tokens = sum(r.output_tokens for r in results)
@@ -80,10 +86,10 @@ def served_runs(grpc: str, n: int, repeats: int) -> dict:
             texts[mode] = [r.text for r in results]
             log(f"{mode}: {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s")
     summary = {}
-    cases = [SCHEMAS[i % len(SCHEMAS)] for i in range(n)]
     for mode, mode_runs in runs.items():
         median = sorted(mode_runs, key=lambda r: r["tokens_per_s"])[len(mode_runs) // 2]
-        summary[mode] = {**median, "runs": mode_runs, "answers": n, "texts": texts[mode],
+        cases = [SCHEMAS[i % len(SCHEMAS)] for i in range(len(texts[mode]))]
+        summary[mode] = {**median, "runs": mode_runs, "answers": len(texts[mode]), "texts": texts[mode],
                          "valid": sum(valid(t, c.schema) for t, c in zip(texts[mode], cases))}
     return summary
 
@@ -151,6 +157,7 @@ def run(model_dir: Path, n: int = 32, repeats: int = 3, log_path: Path | None = 
     result = {"model_dir": str(model_dir), "requests": n, "max_tokens": MAX_TOKENS, **served,
               "ratio": paired_ratio(served["enforced"], served["free"]),
               "ratio_same_lengths": paired_ratio(served["enforced"], served["free_same_lengths"]),
+              "ratio_sustained": paired_ratio(served["enforced_sustained"], served["free_sustained"]),
               "masks": mask_times(model_dir, served["enforced"]["texts"], vocab, settings.eos_token_ids),
               "compile": compile_times(model_dir, vocab, settings.eos_token_ids)}
     return result
@@ -170,6 +177,12 @@ def print_table(result: dict) -> None:
     print(f"| without, each request as long as its enforced answer | {same['tokens']} | {same['tokens_per_s']:.1f} | |")
     print(f"| enforced / without (median of the runs' ratios) | | x{result['ratio']:.2f} | |")
     print(f"| enforced / without at the same lengths (the same) | | x{result['ratio_same_lengths']:.2f} | |")
+    free_s, enforced_s = result["free_sustained"], result["enforced_sustained"]
+    print(f"| sustained, {result['requests']} in flight, without the schema enforced | {free_s['tokens']} | "
+          f"{free_s['tokens_per_s']:.1f} | {free_s['valid']}/{free_s['answers']} |")
+    print(f"| sustained, {result['requests']} in flight, with the schema enforced | {enforced_s['tokens']} | "
+          f"{enforced_s['tokens_per_s']:.1f} | {enforced_s['valid']}/{enforced_s['answers']} |")
+    print(f"| sustained: enforced / without (the same) | | x{result['ratio_sustained']:.2f} | |")
     print(f"\nmask time per step (median): one row {masks['batch_1_ms']:.3f} ms; {masks['batch_all_rows']} rows at "
           f"once {masks['batch_all_ms']:.3f} ms")
     print(f"compile time of the {comp['schemas']} schemas: cold median {comp['cold_median_ms']:.2f} ms "

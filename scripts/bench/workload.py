@@ -54,11 +54,14 @@ def median_run(runs: list[Row]) -> Row:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
-def through_server(requests: list[dict], grpc_url: str, concurrent: bool) -> tuple[list[Completion], float]:
+def through_server(requests: list[dict], grpc_url: str, concurrent: bool,
+                   concurrency: int | None = None) -> tuple[list[Completion], float]:
+    """Sends the requests one at a time, or all at once (concurrent), or ``concurrency`` at a time (each client sends
+    its next request as soon as its answer is in: a sustained load)."""
     client = GrpcStreamClient(grpc_url)
     started = time.perf_counter()
     if concurrent:
-        with ThreadPoolExecutor(len(requests)) as pool:
+        with ThreadPoolExecutor(concurrency or len(requests)) as pool:
             results = list(pool.map(client.complete, requests))
     else:
         results = [client.complete(r) for r in requests]
