@@ -67,14 +67,15 @@ class Endpoint:
     """Stands in for the live endpoint: answers each body with its user text, after ``fail_first`` 503s per line;
     ``gate`` (an asyncio.Event) holds every call until set."""
 
-    def __init__(self, fail_first=0, gate=None):
-        self.calls, self.fail_first, self.gate, self.failures = [], fail_first, gate, {}
+    def __init__(self, fail_first=0, gate=None, delay_s=0.0):
+        self.calls, self.fail_first, self.gate, self.failures, self.delay_s = [], fail_first, gate, {}, delay_s
 
     async def __call__(self, endpoint, body, owner):
         content = body["messages"][-1]["content"]
         self.calls.append(content)
         if self.gate is not None:
             await self.gate.wait()
+        await asyncio.sleep(self.delay_s)
         if self.failures.get(content, 0) < self.fail_first:
             self.failures[content] = self.failures.get(content, 0) + 1
             return 503, {"error": {"message": "queue full", "type": "server_error", "param": None, "code": None}}
@@ -220,3 +221,30 @@ def test_a_line_still_retried_when_the_window_closes_makes_the_batch_expire_with
     assert sorted(r["custom_id"] for r in output(store, record)) == ["id1", "id2"]
     assert [(e["custom_id"], e["error"]["code"]) for e in output(store, record, "error_file_id")] == [
         ("id0", "batch_expired")]
+
+
+def test_a_finished_line_adds_itself_to_the_counts_without_recounting_the_batch(tmp_path):
+    store = Store(tmp_path / "data")
+    batch_id = new_batch(store, tmp_path, 40)
+    recounts, seen = [], []
+    recount = store.counts
+    store.counts = lambda b: recounts.append(b) or recount(b)
+    finish = store.finish_line
+
+    def finish_and_look(*args):  # what a client polling the batch saw just before each line was recorded
+        seen.append(store.get_batch(None, batch_id)["request_counts"]["completed"])
+        return finish(*args)
+
+    store.finish_line = finish_and_look
+
+    async def main():
+        runner = BatchRunner(store, Endpoint(delay_s=0.02), RunnerConfig(concurrency=1))
+        runner.start()
+        record = await run_until(store, runner, batch_id)
+        await runner.stop()
+        return record
+
+    record = asyncio.run(main())
+    assert record["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert seen == sorted(seen) and seen[-1] > 0, f"the counts rise with the lines while the batch runs: {seen}"
+    assert len(recounts) <= 5, f"a recount per status change, not per line: {len(recounts)}"

@@ -31,6 +31,13 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 TRANSIENT = (429, 502, 503, 504)
 
 
+def count_line(record: dict, status: int) -> dict:
+    """The record with one more completed (200) or failed line in request_counts."""
+    counts = dict(record["request_counts"])
+    counts["completed" if status == 200 else "failed"] += 1
+    return {**record, "request_counts": counts}
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     concurrency: int = 30  # lines in flight, all batches together
@@ -107,6 +114,7 @@ class BatchRunner:
         if record["status"] == "validating":
             record = await self._set(record, "in_progress")
         if record["status"] == "in_progress":
+            await self._update_counts(batch_id)  # after a crash the record may lag the lines: counted once here
             pending = await asyncio.to_thread(self.store.pending_lines, batch_id)
             pending.sort(key=lambda line: prefix_key(line.request))
             lines = [asyncio.create_task(self._line(record, owner, line)) for line in pending]
@@ -146,7 +154,7 @@ class BatchRunner:
         if await asyncio.to_thread(self.store.finish_line, batch_id, line.line, result, status != 200):
             if self.observer is not None:
                 self.observer.line_done(status == 200, (body.get("usage") or {}).get("completion_tokens", 0))
-            await self._update_counts(batch_id)
+            await asyncio.to_thread(self.store.change_batch, batch_id, lambda current: count_line(current, status))
 
     async def _call(self, endpoint: str, body: dict, owner: str) -> tuple[int, dict]:
         try:
@@ -164,6 +172,8 @@ class BatchRunner:
         return record is None or record["status"] != "in_progress" or time.time() > record["expires_at"]
 
     async def _update_counts(self, batch_id: str) -> None:
+        """request_counts recounted from the lines (a scan of the batch's lines: at a start and at status changes;
+        each finished line adds itself, count_line)."""
         counts = await asyncio.to_thread(self.counts, batch_id)
         await asyncio.to_thread(self.store.change_batch, batch_id, lambda record: {**record, "request_counts": counts})
 
