@@ -109,25 +109,17 @@ def test_without_live_work_background_work_fills_the_batch(decoder):
     assert background_rows(engine) == 7, "all but the reserved row"
 
 
-def test_the_bound_lifts_once_live_work_is_gone_for_the_grace_time(decoder):
-    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=0)
+@pytest.mark.parametrize("grace_s, rows_after", [(0, 6), (3600, 2)], ids=["lifts-after-grace", "stays-within-grace"])
+def test_the_bound_lifts_only_once_live_work_is_gone_for_the_grace_time(decoder, grace_s, rows_after):
+    """A client's next live request usually comes within the grace time: the bound stays on between them."""
+    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=grace_s)
     engine.add(seq(0, max_tokens=1))
     for _ in range(6):
         engine.add(seq(1, max_tokens=64))
     engine.step()
     assert background_rows(engine) == 2
-    engine.step()  # the live request finished in the first step, and the grace time is 0
-    assert background_rows(engine) == 6
-
-
-def test_the_bound_stays_on_between_a_clients_live_requests(decoder):
-    engine = core(decoder, max_batch_size=8, background_rows_with_live=2, live_grace_s=3600)
-    engine.add(seq(0, max_tokens=1))
-    for _ in range(6):
-        engine.add(seq(1, max_tokens=64))
-    engine.step()
-    engine.step()
-    assert background_rows(engine) == 2, "the next live request is likely within the grace time"
+    engine.step()  # the live request finished in the first step
+    assert background_rows(engine) == rows_after
 
 
 def test_while_live_work_runs_background_prefill_is_held_to_its_tokens(decoder):
