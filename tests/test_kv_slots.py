@@ -13,6 +13,7 @@ from python_backend.engine.kv_slots import SlotKVCache
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
+from python_backend.engine.step_output import Decoded
 from python_backend.errors import InvalidRequestError
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.decoder import CacheShape
@@ -91,6 +92,32 @@ def test_a_failing_row_leaves_and_the_others_are_unchanged(decoder, prompts, alo
     run(decoder, seqs)
     assert seqs[0].finish_reason == "error"
     assert [s.output_ids for s in seqs[1:]] == alone[1:]
+
+
+def test_batch_rows_wait_while_a_live_row_runs_and_every_row_keeps_its_answer(decoder, prompts, alone):
+    """The last sequence is live (priority 0) and comes after the four batch rows (priority 1) have started: while it
+    runs, one batch row decodes with it and the others wait (moved behind them); then all resume."""
+    seqs = sequences(prompts)
+    background, live = seqs[:4], seqs[4]
+    for seq in background:
+        seq.priority = 1
+    config = SchedulerConfig(max_batch_size=8, kv_budget_tokens=65536, kv_layout="slots", max_context_length=512,
+                             background_rows_with_live=1, live_grace_s=0)
+    core = EngineCore(decoder, config)
+    for seq in background:
+        core.add(seq)
+    core.step()
+    core.step()
+    core.add(live)
+    decoded_while_live = []
+    while True:
+        out = core.step()
+        if not out.progressed:
+            break
+        if not live.finished or any(e.seq is live for e in out.events if hasattr(e, "seq")):
+            decoded_while_live += [e.batch_size for e in out.events if isinstance(e, Decoded)]
+    assert decoded_while_live and max(decoded_while_live) == 2, decoded_while_live
+    assert [s.output_ids for s in seqs] == alone, "a wait, and the moves, change no row's answer"
 
 
 def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservation(decoder, prompts):

@@ -170,7 +170,7 @@ class EngineCore:
             # the decode take turns, each a short step (never two prefill steps in a row: the decode goes on).
             decoding = False
         if decoding:
-            yield from self._decode()
+            yield from self._decode(self._rows_to_decode(live_active))
         self._decoded_last_step = decoding
         self._retire()
         state = EngineState(len(self.running), len(self.waiting) + len(self.prefilling), self.cache.cache_bytes(),
@@ -254,10 +254,31 @@ class EngineCore:
         """Tokens of the KV budget that the running and admitted sequences' reservations leave to the prefix cache."""
         return self.config.kv_budget_tokens - sum(s.reserved_tokens() for s in self.running + self.prefilling)
 
-    def _decode(self) -> Iterator[Event]:
-        logits = self.cache.step(self._next_tokens)
-        live = [row for row, s in enumerate(self.running) if not s.finished]
-        yield Decoded(len(self.running), len(self.running) - len(live))
+    def _rows_to_decode(self, live_active: bool) -> int:
+        """How many rows, from the first, this step decodes. While live work is about (continuous, slot cache),
+        background rows beyond background_rows_with_live wait: the rows that decode (the live ones and the first
+        background ones in row order) are moved to the front, and the rest keep their next token for later."""
+        rows, bound = len(self.running), self.config.background_rows_with_live
+        if not (live_active and bound and self.config.strategy == "continuous" and self.cache.layout == "slots"):
+            return rows
+        background = [r for r, s in enumerate(self.running) if s.priority > 0 and not s.finished]
+        paused = set(background[bound:])
+        if not paused:
+            return rows
+        count = rows - len(paused)
+        outside = [r for r in range(count, rows) if r not in paused]
+        holes = [r for r in range(count) if r in paused]
+        for a, b in zip(outside, holes):
+            self.cache.swap(a, b)
+            self.running[a], self.running[b] = self.running[b], self.running[a]
+            self._next_tokens[[a, b]] = self._next_tokens[[b, a]]
+        return count
+
+    def _decode(self, rows: int) -> Iterator[Event]:
+        logits = self.cache.step(self._next_tokens) if rows == len(self.running) else \
+            self.cache.step(self._next_tokens, rows)
+        live = [row for row in range(rows) if not self.running[row].finished]
+        yield Decoded(rows, rows - len(live))
         chosen, failed = choose_next([self.running[r] for r in live], logits[live])
         for seq, error in failed:
             yield from self._fail(seq, error)

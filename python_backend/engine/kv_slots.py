@@ -109,15 +109,26 @@ class SlotKVCache:
         """Row r's cache: one [1, kv_heads, max_len, head_dim] view per layer key and value."""
         return self._rows(r, r + 1)
 
-    def step(self, next_tokens: np.ndarray) -> np.ndarray:
-        """Feeds one token per row, each appended at its row's length; returns logits [rows, vocab]. A row at its
-        reservation (a finished row that static batching keeps computing) overwrites its last position instead of
-        growing."""
-        grown = np.minimum(self.lengths + 1, self.reserved)
+    def step(self, next_tokens: np.ndarray, rows: int | None = None) -> np.ndarray:
+        """Feeds one token to each of the first ``rows`` rows (all by default), each appended at its row's length;
+        returns their logits [rows, vocab]. The other rows wait, unchanged (paused). A row at its reservation (a
+        finished row that static batching keeps computing) overwrites its last position instead of growing."""
+        rows = self.size if rows is None else rows
+        grown = np.minimum(self.lengths[:rows] + 1, self.reserved[:rows])
         mask = (np.arange(int(grown.max()))[None, :] < grown[:, None]).astype(np.int64)
-        logits = self.decoder.forward_in_place(next_tokens.reshape(-1, 1), mask, self._rows(0, self.size))
-        self.lengths = grown
+        logits = self.decoder.forward_in_place(next_tokens[:rows].reshape(-1, 1), mask, self._rows(0, rows))
+        self.lengths[:rows] = grown
         return logits[:, -1, :]
+
+    def swap(self, a: int, b: int) -> None:
+        """Rows a and b trade slots (their tokens are copied), so that the rows a step decodes come first."""
+        used = int(max(self.lengths[a], self.lengths[b]))
+        for buffer in self._buffers:
+            held = buffer[a, :, :used].copy()
+            buffer[a, :, :used] = buffer[b, :, :used]
+            buffer[b, :, :used] = held
+        for array in (self.lengths, self.reserved):
+            array[[a, b]] = array[[b, a]]
 
     def select(self, rows: list[int]) -> list[int]:
         """Keeps these rows (ascending): the last kept rows move into the holes that leaving rows opened below

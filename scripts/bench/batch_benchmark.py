@@ -38,8 +38,8 @@ LIVE_QUESTIONS = ["What is the capital of France?", "Name a primary color.", "Wh
                   "Say hello in Spanish.", "What is the largest planet?", "Name a fruit that is yellow."]
 
 
-def bodies(model: str, n: int) -> list[dict]:
-    return [{"model": model, "messages": [{"role": "user", "content": r["text_input"]}], "max_tokens": MAX_TOKENS,
+def bodies(model: str, n: int, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    return [{"model": model, "messages": [{"role": "user", "content": r["text_input"]}], "max_tokens": max_tokens,
              "temperature": 0} for r in workload(n)]
 
 
@@ -101,7 +101,8 @@ def concurrent_clients(client: OpenAI, requests: list[dict]) -> tuple[list[str],
     return [a.choices[0].message.content for a in answers], sum(a.usage.completion_tokens for a in answers), wall
 
 
-def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = None) -> dict:
+def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = None,
+        max_tokens: int = MAX_TOKENS) -> dict:
     log(f"batch jobs: {n} lines, on {model_dir}")
     extra = ("--batch-concurrency", str(batch_concurrency)) if batch_concurrency else ()
     shutil.rmtree(BUILD_DIR / "benchmark-batch-data", ignore_errors=True)  # no batch left from an earlier run
@@ -111,7 +112,7 @@ def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = 
                                data_dir=BUILD_DIR / "benchmark-batch-data", extra_args=extra) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        requests = bodies(model, n)
+        requests = bodies(model, n, max_tokens)
         concurrent_clients(client, requests[:32])  # warm-up
 
         live_answers, live_tokens, live_wall = concurrent_clients(client, requests)
@@ -140,7 +141,8 @@ def run(model_dir: Path, n: int, live_s: float, batch_concurrency: int | None = 
         log(f"live during the batch: {len(during)} requests, TTFT p95 {percentile(during, 95):.3f} s")
         background_answers, _ = wait_batch(client, batch_id)
     return {
-        "model_dir": str(model_dir), "lines": n, "max_tokens": MAX_TOKENS, "batch_concurrency": batch_concurrency or 30,
+        "model_dir": str(model_dir), "lines": n, "max_tokens": max_tokens, "live_max_tokens": MAX_TOKENS,
+        "batch_concurrency": batch_concurrency or 30,
         "throughput": {"clients_tokens": live_tokens, "clients_wall_s": live_wall,
                        "clients_tokens_per_s": live_tokens / live_wall, "batch_tokens": batch_tokens,
                        "batch_wall_s": batch_wall, "batch_tokens_per_s": batch_tokens / batch_wall,
@@ -189,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-concurrency", type=int,
                         help="the front's batch lines in flight (default: its own, 30); fewer trade batch "
                              "throughput for live latency")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help="the batch lines' (and the 32 clients') max_tokens; the live requests keep 16")
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "benchmark-batch.json")
     args = parser.parse_args(argv)
-    result = run(args.model_dir, args.lines, args.live_s, args.batch_concurrency)
+    result = run(args.model_dir, args.lines, args.live_s, args.batch_concurrency, args.max_tokens)
     args.output.write_text(json.dumps(result, indent=2))
     print_table(result)
     print(f"\n(written to {args.output})", file=sys.stderr)
