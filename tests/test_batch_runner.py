@@ -248,3 +248,19 @@ def test_a_finished_line_adds_itself_to_the_counts_without_recounting_the_batch(
     assert record["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
     assert seen == sorted(seen) and seen[-1] > 0, f"the counts rise with the lines while the batch runs: {seen}"
     assert len(recounts) <= 5, f"a recount per status change, not per line: {len(recounts)}"
+
+
+def test_stop_ends_the_runner_even_when_a_wake_races_the_cancel(tmp_path):
+    """Python 3.11's wait_for can swallow a cancel that arrives as the awaited event is set (a batch ending wakes
+    the runner's loop just as the server stops it): stop() must end the loop anyway."""
+    store = Store(tmp_path / "data")
+
+    async def main():
+        for _ in range(20):
+            runner = BatchRunner(store, Endpoint(), RunnerConfig())
+            runner.start()
+            await asyncio.sleep(0.05)  # the loop waits on its wake event
+            runner.wake()
+            await asyncio.wait_for(runner.stop(), timeout=10)
+
+    asyncio.run(main())

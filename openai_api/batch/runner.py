@@ -63,11 +63,15 @@ class BatchRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._loop(), name="batch-runner")
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: Python 3.11's wait_for swallows a cancel that arrives as the event it waits
+        # on is set (a batch that ends wakes the loop), and the loop would then go on, and stop() wait for ever.
+        self._stopping = True
         tasks = list(self._tasks.values()) + ([self._loop_task] if self._loop_task else [])
         for task in tasks:
             task.cancel()
@@ -78,7 +82,7 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         last_sweep = 0.0
-        while True:
+        while not self._stopping:
             for record in await asyncio.to_thread(self.store.batches_in, ACTIVE):
                 if record["id"] not in self._tasks:
                     self._tasks[record["id"]] = asyncio.create_task(self._run_logged(record["id"]))
