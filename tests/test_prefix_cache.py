@@ -62,15 +62,44 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
     for prompt, expected in zip(prompts[1:], without_reuse[1:]):
         assert run(core, sequences([prompt])) == [expected]
     assert core.prefix.hit_tokens >= 5 * (len(tokenizer.encode(SYSTEM, apply_chat_template=True)) // 16 - 1) * 16
-    # a prompt that is entirely cached: all but its last MIN_SUFFIX tokens come from the cache
+    # a prompt seen whole: all of it comes from the cache, and its first token from its cached logits
     hits = core.prefix.hit_tokens
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
-    assert core.prefix.hit_tokens - hits == (len(prompts[0]) - 2) // 16 * 16
+    assert core.prefix.hit_tokens - hits == len(prompts[0])
     # prefixes ending at every offset inside a block: prompts cut short share 0..15 tokens of their last block
     for cut in range(1, 17, 3):
         short = prompts[0][: len(prompts[0]) - cut]
         alone = run(EngineCore(decoder, CONFIG), sequences([short]))
         assert run(core, sequences([short])) == alone, cut
+
+
+class CountingDecoder:
+    """The real decoder, recording the shape of the tokens of each call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_in_place(self, input_ids, attention_mask, cache):
+        self.calls.append(input_ids.shape)
+        return self.inner.forward_in_place(input_ids, attention_mask, cache)
+
+
+def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, without_reuse):
+    counting = CountingDecoder(decoder)
+    core = reuse(counting)
+    assert run(core, sequences(prompts[:1])) == without_reuse[:1]
+    full, tail = divmod(len(prompts[0]), 16)
+    assert core.prefix.cached_tokens == full * 16 + (16 if tail else 0) + core.prefix.logits_tokens > full * 16
+    counting.calls.clear()
+    assert run(core, sequences(prompts[:1])) == without_reuse[:1]
+    # the first token from the cached logits, then one decode step for each of the other 11
+    assert counting.calls == [(1, 1)] * 11
+    counting.calls.clear()
+    assert run(core, sequences(prompts[:1], salt="tenant-b")) == without_reuse[:1]
+    assert counting.calls[0] == (1, len(prompts[0])), "under another salt the prompt is computed again"
 
 
 def test_a_batch_sharing_a_prefix_and_a_cancelled_neighbour(decoder, prompts, without_reuse):
@@ -86,6 +115,10 @@ def test_a_batch_sharing_a_prefix_and_a_cancelled_neighbour(decoder, prompts, wi
     assert seqs[1].finish_reason == "cancelled"
     assert [o for i, o in enumerate(outputs) if i != 1] == [o for i, o in enumerate(without_reuse) if i != 1]
     assert core.prefix.hit_tokens > 0
+    # all of them again at once: each found whole, each with its own keys, values and logits
+    hits = core.prefix.hit_tokens
+    assert run(core, sequences(prompts)) == without_reuse
+    assert core.prefix.hit_tokens - hits == sum(len(p) for p in prompts)
 
 
 def test_salts_keep_prefixes_apart(decoder, prompts, without_reuse):

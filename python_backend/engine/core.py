@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
+from functools import partial
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
         raise ValueError("enable_kv_cache_reuse needs a fused graph's slot KV cache (QUANT=int4 or fast); the "
                          "export's own graph (fp32, fp16, the GPU runtimes) has no prefix caching")
     block = -(-16 // cache.align_tokens) * cache.align_tokens  # at least 16 tokens, whole pages
-    return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block)
+    return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block, cache.decoder.vocab_size)
 
 
 class EngineCore:
@@ -222,13 +223,17 @@ class EngineCore:
             self.running += fresh  # the cache's new rows, in order
             parts.append(logits)
         for seq in sequences:
-            blocks = hits.get(id(seq))
-            if not blocks:
+            hit = hits.get(id(seq))
+            if not hit:
                 continue
-            try:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
-                logits, rest, _ = self.cache.prefill_after(
-                    seq.prompt_ids, seq.reserved_tokens(), len(blocks) * self.prefix.block_tokens,
-                    lambda row, blocks=blocks: self.prefix.load(blocks, row))
+            fill = partial(self.prefix.load, hit)
+            try:
+                if hit.whole is not None:  # the whole prompt is cached, its last logits too: nothing to compute
+                    self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
+                    logits, rest = hit.whole.logits[None], 0
+                else:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
+                    logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(),
+                                                               hit.tokens(self.prefix.block_tokens), fill)
             except Exception as error:  # noqa: BLE001 - this sequence's own prefill: it fails alone
                 yield from self._fail(seq, error)
                 continue
@@ -236,13 +241,14 @@ class EngineCore:
             parts.append(logits)
             computed += rest
         joined = self.running[first_row:]
+        logits = np.concatenate(parts) if joined else None  # row i: joined[i]'s last prompt position
         if self.prefix is not None:
             room = self._prefix_room()
-            for row, seq in enumerate(joined, start=first_row):
-                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(row), room)
+            for i, seq in enumerate(joined):
+                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(first_row + i), room, logits[i])
         if not joined:
             return
-        tokens, failed = choose_next(joined, np.concatenate(parts))
+        tokens, failed = choose_next(joined, logits)
         self._next_tokens = np.concatenate([self._next_tokens, tokens])
         yield Prefilled(computed, padding)
         for seq, error in failed:

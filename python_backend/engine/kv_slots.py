@@ -105,6 +105,20 @@ class SlotKVCache:
         self.reserved = np.append(self.reserved, reserved)
         return logits[:, -1], len(prompt) - cached, 0
 
+    def adopt(self, length: int, reserved: int, fill) -> None:
+        """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix
+        cache holds entire): nothing is computed."""
+        start = self.size
+        if start >= self.slots or not 0 < length <= reserved <= self.max_len:
+            raise ValueError(f"cannot adopt {length} tokens into slot {start}")
+        try:
+            fill(self._rows(start, start + 1))
+        except Exception:
+            self.release([start])
+            raise
+        self.lengths = np.append(self.lengths, length)
+        self.reserved = np.append(self.reserved, reserved)
+
     def row(self, r: int) -> list[np.ndarray]:
         """Row r's cache: one [1, kv_heads, max_len, head_dim] view per layer key and value."""
         return self._rows(r, r + 1)

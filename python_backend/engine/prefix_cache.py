@@ -1,21 +1,27 @@
 """Prefix caching on the slot KV cache (kv_slots.py): the keys and values of prompt prefixes that requests share,
 kept in blocks of ``block_tokens`` tokens so that a later prompt that starts with them is prefilled from its first
-token not cached.
+token not cached; and, for a prompt seen whole, what makes it need no computing at all.
 
 - **Blocks keyed by a hash chain.** Block i of a prompt is keyed by (the key of block i - 1, the salt, its tokens),
   so a block is found only behind the very same tokens and under the same salt (tenants with different salts never
   share). The block keeps its tokens, and a lookup compares them: a hash collision cannot hand out wrong keys.
+- **Whole prompts.** After its prefill a prompt also leaves an entry keyed behind its last full block: its tokens
+  past that block (0 to block_tokens - 1, their keys and values in a block of the pool) and its last position's
+  logits. The same prompt again, under the same salt, is copied in whole and its first token is chosen from those
+  logits: no model call (n choices of one prompt, a retried request, a batch file's repeated rows). The logits cost
+  memory like ``logits_tokens`` tokens of the budget.
 - **Copies, not references.** A hit copies the blocks into the new row's slot, and a prefilled prompt copies its
   full blocks into the cache: a running sequence never shares memory with the cache, so evicting a block can never
   disturb one.
-- **Exact.** A cached block holds what a prefill computed for the same tokens at the same positions; the rest of the
-  prompt is prefilled in the new row's slot alone (onnxruntime's CPU kernel takes several new tokens after a past
-  only for one row). At least ``MIN_SUFFIX`` prompt tokens are always computed: a single new token after a past
-  runs the kernel's decode path, whose rounding differs from a prefill's.
+- **Exact.** A cached block holds what a prefill computed for the same tokens at the same positions, and a whole
+  prompt's logits are the ones its prefill computed; the rest of a prompt found only in part is prefilled in the
+  new row's slot alone (onnxruntime's CPU kernel takes several new tokens after a past only for one row). At least
+  ``MIN_SUFFIX`` tokens of a prompt found in part are computed: a single new token after a past runs the kernel's
+  decode path, whose rounding differs from a prefill's.
 - **Inside the budget, least recently used first.** The pool's blocks are anonymous memory backed only where
-  written; ``trim`` drops the least recently used blocks (and gives their pages back) until the cache fits what the
-  running rows' reservations leave of the budget. The engine trims after admission, before a prefill writes, so the
-  cache never holds a request back and never pushes the peak over the budget.
+  written; ``trim`` drops the least recently used entries (and gives their pages back) until the cache fits what
+  the running rows' reservations leave of the budget. The engine trims after admission, before a prefill writes,
+  so the cache never holds a request back and never pushes the peak over the budget.
 """
 
 from __future__ import annotations
@@ -33,90 +39,167 @@ MIN_SUFFIX = 2
 class Block:
     key: int
     tokens: tuple[int, ...]
-    index: int  # its place in the pool
+    index: int | None  # its place in the pool (None: a whole prompt's entry with no tokens past its full blocks)
+    logits: np.ndarray | None = None  # a whole prompt's entry: its last position's logits [vocab]
+    cost: int = 0  # tokens of the budget it holds
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[Block]  # the prompt's leading full blocks
+    whole: Block | None = None  # the rest of the prompt and its last logits: nothing to compute
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks) or self.whole is not None
+
+    def tokens(self, block_tokens: int) -> int:
+        return len(self.blocks) * block_tokens + (len(self.whole.tokens) if self.whole else 0)
 
 
 class PrefixCache:
-    def __init__(self, cache_shape, capacity_tokens: int, block_tokens: int):
+    def __init__(self, cache_shape, capacity_tokens: int, block_tokens: int, vocab_size: int = 0):
         self.block_tokens = block_tokens
         self.capacity = max(0, capacity_tokens // block_tokens)
         shape = (max(self.capacity, 1), cache_shape.num_kv_heads, block_tokens, cache_shape.head_dim)
         self._block_bytes = int(np.prod(shape[1:])) * np.dtype(cache_shape.dtype).itemsize
+        self._logits_bytes = vocab_size * np.dtype(np.float32).itemsize
+        # Whole prompts are kept only with the vocabulary's size known; their logits count as this many tokens.
+        self.logits_tokens = -(-self._logits_bytes // cache_shape.bytes_per_token()) if vocab_size else 0
         private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         self._maps = [mmap.mmap(-1, self._block_bytes * shape[0], flags=private) for _ in cache_shape.cache_names()]
         self._pool = [np.frombuffer(m, cache_shape.dtype).reshape(shape) for m in self._maps]
         self._blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))
+        self.cached_tokens = 0  # tokens of the budget the entries hold
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of them, found in the cache
         self.evicted_blocks = 0
 
-    @property
-    def cached_tokens(self) -> int:
-        return len(self._blocks) * self.block_tokens
-
     def cached_bytes(self) -> int:
-        return len(self._blocks) * self._block_bytes * len(self._maps)
+        pages = sum(block.index is not None for block in self._blocks.values())
+        wholes = sum(block.logits is not None for block in self._blocks.values())
+        return pages * self._block_bytes * len(self._maps) + wholes * self._logits_bytes
+
+    def _root(self, salt: str) -> int:
+        return hash(("prefix", salt))
 
     def _chain(self, prompt: list[int], salt: str, blocks: int):
-        key = hash(("prefix", salt))
+        key = self._root(salt)
         for i in range(blocks):
             tokens = tuple(prompt[i * self.block_tokens:(i + 1) * self.block_tokens])
             key = hash((key, tokens))
             yield key, tokens
 
+    def _whole_key(self, prompt: list[int], last_key: int) -> tuple[int, tuple[int, ...]]:
+        tail = tuple(prompt[len(prompt) // self.block_tokens * self.block_tokens:])
+        return hash((last_key, "whole", tail)), tail
+
     def usable_blocks(self, prompt: list[int]) -> int:
-        """Full blocks of the prompt that may come from the cache (MIN_SUFFIX tokens are always computed)."""
+        """Full blocks of a prompt found in part that may come from the cache (MIN_SUFFIX tokens are computed)."""
         return max(0, (len(prompt) - MIN_SUFFIX) // self.block_tokens)
 
-    def match(self, prompt: list[int], salt: str = "") -> list[Block]:
-        """The longest run of the prompt's leading blocks held under this salt (marked recently used); counts the
-        prompt as queried and the run as hit."""
-        found = []
-        for key, tokens in self._chain(prompt, salt, self.usable_blocks(prompt)):
+    def match(self, prompt: list[int], salt: str = "") -> PrefixHit:
+        """The prompt whole, else the longest run of its leading blocks held under this salt (marked recently
+        used); counts the prompt as queried and what was found as hit."""
+        found, last_key = [], self._root(salt)
+        for key, tokens in self._chain(prompt, salt, len(prompt) // self.block_tokens):
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens:
                 break
-            self._blocks.move_to_end(key)
             found.append(block)
+            last_key = key
+        hit = PrefixHit(found)
+        if len(found) == len(prompt) // self.block_tokens:
+            key, tail = self._whole_key(prompt, last_key)
+            whole = self._blocks.get(key)
+            if whole is not None and whole.tokens == tail and whole.logits is not None:
+                hit.whole = whole
+        if hit.whole is None:
+            del found[self.usable_blocks(prompt):]
+        for block in found + ([hit.whole] if hit.whole else []):
+            self._blocks.move_to_end(block.key)
         self.queried_tokens += len(prompt)
-        self.hit_tokens += len(found) * self.block_tokens
-        return found
+        self.hit_tokens += len(prompt) if hit.whole else len(found) * self.block_tokens
+        return hit
 
-    def load(self, blocks: list[Block], row: list[np.ndarray]) -> None:
-        """Copies the blocks into a row's cache (one [1, kv_heads, max_len, head_dim] view per layer key/value)."""
+    def load(self, hit: PrefixHit, row: list[np.ndarray]) -> None:
+        """Copies what was found into a row's cache (one [1, kv_heads, max_len, head_dim] view per layer key and
+        value)."""
         b = self.block_tokens
-        for i, block in enumerate(blocks):
+        for i, block in enumerate(hit.blocks):
             for pool, target in zip(self._pool, row):
                 target[0, :, i * b:(i + 1) * b] = pool[block.index]
+        if hit.whole is not None and hit.whole.index is not None:
+            start, count = len(hit.blocks) * b, len(hit.whole.tokens)
+            for pool, target in zip(self._pool, row):
+                target[0, :, start:start + count] = pool[hit.whole.index, :, :count]
 
-    def store(self, prompt: list[int], salt: str, row: list[np.ndarray], room_tokens: int) -> None:
-        """Copies the prompt's usable blocks that are not cached yet from a row's cache, evicting the least recently
-        used blocks for them, within room_tokens in all."""
-        b = self.block_tokens
-        for i, (key, tokens) in enumerate(self._chain(prompt, salt, self.usable_blocks(prompt))):
-            block = self._blocks.get(key)
-            if block is not None and block.tokens == tokens:
-                self._blocks.move_to_end(key)
+    def store(self, prompt: list[int], salt: str, row: list[np.ndarray], room_tokens: int,
+              logits: np.ndarray | None = None) -> None:
+        """Copies the prompt's full blocks that are not cached yet from a row's cache, and with the prompt's last
+        logits its whole entry, evicting the least recently used entries for them, within room_tokens in all."""
+        b, last_key = self.block_tokens, self._root(salt)
+        for i, (key, tokens) in enumerate(self._chain(prompt, salt, len(prompt) // b)):
+            last_key = key
+            if self._touch(key, tokens):
                 continue
-            if block is not None:  # a hash collision: the newer prompt takes the key
-                self._drop(key)
-            self.trim(room_tokens - b)
-            if not self._free or self.cached_tokens + b > room_tokens:
+            index = self._take_page(b, room_tokens)
+            if index is None:
                 return
-            block = Block(key, tokens, self._free.pop())
             for pool, source in zip(self._pool, row):
-                pool[block.index] = source[0, :, i * b:(i + 1) * b]
-            self._blocks[key] = block
+                pool[index] = source[0, :, i * b:(i + 1) * b]
+            self._add(Block(key, tokens, index, cost=b))
+        if logits is None or not self.logits_tokens:
+            return
+        key, tail = self._whole_key(prompt, last_key)
+        cost = self.logits_tokens + (b if tail else 0)
+        if self._touch(key, tail) or len(prompt) // b * b + cost > room_tokens:
+            return  # (evicting its own blocks for it would make it unreachable)
+        index = None
+        if tail:
+            index = self._take_page(cost, room_tokens)
+            if index is None:
+                return
+            for pool, source in zip(self._pool, row):
+                pool[index, :, :len(tail)] = source[0, :, len(prompt) - len(tail):len(prompt)]
+        else:
+            self.trim(room_tokens - cost)
+            if self.cached_tokens + cost > room_tokens:
+                return
+        self._add(Block(key, tail, index, np.array(logits, np.float32), cost))
+
+    def _touch(self, key: int, tokens: tuple[int, ...]) -> bool:
+        """Whether this entry is held (marked recently used); a hash collision's entry is dropped for the new one."""
+        block = self._blocks.get(key)
+        if block is not None and block.tokens == tokens:
+            self._blocks.move_to_end(key)
+            return True
+        if block is not None:
+            self._drop(key)
+        return False
+
+    def _take_page(self, cost: int, room_tokens: int) -> int | None:
+        """A free block of the pool for an entry of this cost, after evicting for it; None when there is no room."""
+        self.trim(room_tokens - cost)
+        if not self._free or self.cached_tokens + cost > room_tokens:
+            return None
+        return self._free.pop()
+
+    def _add(self, block: Block) -> None:
+        self._blocks[block.key] = block
+        self.cached_tokens += block.cost
 
     def trim(self, room_tokens: int) -> None:
-        """Drops least recently used blocks until the cache holds at most room_tokens."""
+        """Drops least recently used entries until the cache holds at most room_tokens."""
         while self._blocks and self.cached_tokens > max(room_tokens, 0):
             self._drop(next(iter(self._blocks)))
             self.evicted_blocks += 1
 
     def _drop(self, key: int) -> None:
         block = self._blocks.pop(key)
+        self.cached_tokens -= block.cost
+        if block.index is None:
+            return
         start = block.index * self._block_bytes
         for m in self._maps:
             m.madvise(mmap.MADV_DONTNEED, start, self._block_bytes)

@@ -1,4 +1,4 @@
-"""Structured outputs' cost and guarantee, one server, one run (about 5 minutes here):
+"""Structured outputs' cost and guarantee, one server, one run (about 6 minutes here):
 
     python -m scripts.bench.structured_benchmark                  # QUANT=int4's folder
     python -m scripts.bench.structured_benchmark --model-dir build/model
@@ -11,7 +11,10 @@
   enforced answer's, which leaves the masks as the only difference. One wave of n requests ends with a tail of a
   few rows (the longest answers), which weighs more when the answers' lengths spread, as enforced ones do; the
   sustained runs keep n requests in flight (each client sends its next at once, ROUNDS each) without and with the
-  schema, as a load test at concurrency n does;
+  schema, as a load test at concurrency n does. The held set's prompts repeat, and a warm-up sends each once, so
+  every run finds each prompt in the prefix cache whole (no prefill: python_backend/engine/prefix_cache.py); a last
+  pair of one-wave runs starts each prompt with a tag of its own, which the cache has never seen (all but the chat
+  template's head is prefilled);
 - the masks' time per step, in this process on the same matchers the server uses, replaying the enforced answers'
   tokens: one row alone, and all rows together as the engine computes them (llguidance's thread pool);
 - compile time of the held set's schemas: cold (a new compiler) and cached.
@@ -41,17 +44,20 @@ from scripts.prepare.quantize import variant_dir
 
 MAX_TOKENS = 128
 NEVER_WRITTEN = 49151  # SmolLM2's last vocabulary entry, as end_id: generation runs to max_tokens
-MODES = ("free", "enforced", "free_same_lengths", "free_sustained", "enforced_sustained")
+MODES = ("free", "enforced", "free_same_lengths", "free_sustained", "enforced_sustained", "free_unseen",
+         "enforced_unseen")
 ROUNDS = 4  # sustained: each of the n clients sends this many requests, one after another
 
 
-def requests(n: int, enforce: bool, lengths: list[int] | None = None) -> list[dict]:
+def requests(n: int, enforce: bool, lengths: list[int] | None = None, unseen: str | None = None) -> list[dict]:
     """The held set's prompts, n of them; with ``lengths``, each request generates exactly that many tokens (no EOS:
-    end_id is a token id the model never writes), to compare at the enforced answers' own lengths."""
+    end_id is a token id the model never writes), to compare at the enforced answers' own lengths; with ``unseen``,
+    each prompt starts with that tag and its number, so that the prefix cache holds none of it."""
     out = []
     for i in range(n):
         case = SCHEMAS[i % len(SCHEMAS)]
-        request = {"text_input": schema_prompt(case), "max_tokens": MAX_TOKENS, "apply_chat_template": True}
+        prompt = schema_prompt(case) if unseen is None else f"Request {unseen}-{i}. {schema_prompt(case)}"
+        request = {"text_input": prompt, "max_tokens": MAX_TOKENS, "apply_chat_template": True}
         if enforce:
             request |= {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(case.schema)}
         if lengths:
@@ -71,13 +77,16 @@ def valid(text: str, schema: dict) -> bool:
 def served_runs(grpc: str, n: int, repeats: int) -> dict:
     runs = {mode: [] for mode in MODES}
     texts = {}
-    through_server(requests(4, True), grpc, concurrent=True)  # warm-up: compiles four guides, fills caches
-    for _ in range(repeats):
+    # Warm-up: every schema's guide compiled and every prompt of the held set seen once, so that every run below
+    # finds the prefix cache alike (a prompt seen whole needs no prefill: prefix_cache.py).
+    through_server(requests(len(SCHEMAS), True), grpc, concurrent=True)
+    for repeat in range(repeats):
         lengths = None
         for mode in MODES:
             sustained = mode.endswith("_sustained")
             batch = requests(n * ROUNDS if sustained else n, mode.startswith("enforced"),
-                             lengths if mode == "free_same_lengths" else None)
+                             lengths if mode == "free_same_lengths" else None,
+                             f"{repeat}{mode[0]}" if mode.endswith("_unseen") else None)
             results, wall = through_server(batch, grpc, concurrent=True, concurrency=n)
             if mode == "enforced":
                 lengths = [r.output_tokens for r in results]
@@ -158,6 +167,7 @@ def run(model_dir: Path, n: int = 32, repeats: int = 3, log_path: Path | None = 
               "ratio": paired_ratio(served["enforced"], served["free"]),
               "ratio_same_lengths": paired_ratio(served["enforced"], served["free_same_lengths"]),
               "ratio_sustained": paired_ratio(served["enforced_sustained"], served["free_sustained"]),
+              "ratio_unseen": paired_ratio(served["enforced_unseen"], served["free_unseen"]),
               "masks": mask_times(model_dir, served["enforced"]["texts"], vocab, settings.eos_token_ids),
               "compile": compile_times(model_dir, vocab, settings.eos_token_ids)}
     return result
@@ -183,6 +193,12 @@ def print_table(result: dict) -> None:
     print(f"| sustained, {result['requests']} in flight, with the schema enforced | {enforced_s['tokens']} | "
           f"{enforced_s['tokens_per_s']:.1f} | {enforced_s['valid']}/{enforced_s['answers']} |")
     print(f"| sustained: enforced / without (the same) | | x{result['ratio_sustained']:.2f} | |")
+    free_u, enforced_u = result["free_unseen"], result["enforced_unseen"]
+    print(f"| prompts not seen before, without the schema enforced | {free_u['tokens']} | "
+          f"{free_u['tokens_per_s']:.1f} | {free_u['valid']}/{free_u['answers']} |")
+    print(f"| prompts not seen before, with the schema enforced | {enforced_u['tokens']} | "
+          f"{enforced_u['tokens_per_s']:.1f} | {enforced_u['valid']}/{enforced_u['answers']} |")
+    print(f"| prompts not seen before: enforced / without (the same) | | x{result['ratio_unseen']:.2f} | |")
     print(f"\nmask time per step (median): one row {masks['batch_1_ms']:.3f} ms; {masks['batch_all_rows']} rows at "
           f"once {masks['batch_all_ms']:.3f} ms")
     print(f"compile time of the {comp['schemas']} schemas: cold median {comp['cold_median_ms']:.2f} ms "
