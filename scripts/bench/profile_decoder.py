@@ -5,7 +5,9 @@
 For each model folder: prefill a prompt of --past tokens (batch --batch) into the cache its graph writes (the
 export's padded batch, or the fused graph's slots), time --steps decode steps, then profile as many and print the
 operators' share of the step time (node kernel time summed by op type; "MatMulNBits" are the quantized weights,
-"MatMul" the fp32 weights, attention and the int4 residuals). --no-profile: the step times alone.
+"MatMul" the fp32 weights, attention and the int4 residuals). --no-profile: the step times alone. --rest K (a
+fused graph): also the time of a prompt's rest of K tokens after the --past tokens, computed in a slot of its own as
+the prefix cache's partial hits are.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from python_backend.engine.core import open_kv_cache
@@ -67,6 +70,24 @@ def _timed_steps(kv, logits, steps: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
+def rest_ms(model_dir: Path, past: int, rest: int, tries: int) -> float:
+    """Median milliseconds of computing ``rest`` new tokens of one row after ``past`` cached ones (slot layout)."""
+    decoder = cpu_decoder(model_dir / ONNX_FILE)
+    if getattr(decoder, "kv_layout", "padded") != "slots":
+        raise SystemExit(f"--rest needs a fused graph's slot cache; {model_dir} has the padded one")
+    prompt = [1] + [100 + i % 1000 for i in range(past + rest - 1)]
+    kv = open_kv_cache(decoder, SchedulerConfig(max_batch_size=1, max_context_length=past + rest, kv_layout="slots"))
+    kv.prefill([prompt[:past]], [past + rest])
+    new, mask = np.array([prompt[past:]], np.int64), np.ones((1, past + rest), np.int64)
+    times = []
+    for _ in range(tries + 2):  # the rest is written over the same positions each time; 2 warm-ups
+        started = time.perf_counter()
+        decoder.forward_in_place(new, mask, kv.row(0))
+        times.append(time.perf_counter() - started)
+    times = sorted(times[2:])
+    return times[len(times) // 2] * 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dirs", type=Path, nargs="+")
@@ -75,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--no-profile", action="store_true", help="time the steps only")
+    parser.add_argument("--rest", type=int, default=0, help="also time a prompt's rest of this many tokens")
     args = parser.parse_args(argv)
     Path("build").mkdir(exist_ok=True)
     for model_dir in args.model_dirs:
         by_op, plain_ms, wall_ms = profile(model_dir, args.batch, args.past, args.steps, not args.no_profile)
+        if args.rest:
+            print(f"{model_dir}: a rest of {args.rest} tokens after {args.past}, one row: "
+                  f"{rest_ms(model_dir, args.past, args.rest, args.steps):.1f} ms")
         if args.no_profile:
             print(f"{model_dir}: batch {args.batch}, past {args.past}: {plain_ms:.1f} ms per decode step "
                   f"({args.batch * 1000 / plain_ms:.1f} tok/s)")
