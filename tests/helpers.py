@@ -168,6 +168,20 @@ def outputs_alone(decoder, sequences: list[Sequence]) -> list[list[int]]:
     return [seq.output_ids for seq in sequences]
 
 
+class CountingDecoder:
+    """A real decoder, recording the shape of the tokens of each call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_in_place(self, input_ids, attention_mask, cache):
+        self.calls.append(input_ids.shape)
+        return self.inner.forward_in_place(input_ids, attention_mask, cache)
+
+
 def fail_choice_after(seq: Sequence, tokens: int, message: str = "the logits are not finite") -> None:
     """Makes seq's next-token choice raise FloatingPointError(message) once it has generated this many tokens."""
     real_choose = seq.chooser.choose

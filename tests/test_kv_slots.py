@@ -19,7 +19,7 @@ from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.decoder import CacheShape
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
-from tests.helpers import KV_TEST_PROMPTS, fail_choice_after, outputs_alone, variant_folder
+from tests.helpers import KV_TEST_PROMPTS, CountingDecoder, fail_choice_after, outputs_alone, variant_folder
 
 MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
 
@@ -118,6 +118,20 @@ def test_batch_rows_wait_while_a_live_row_runs_and_every_row_keeps_its_answer(de
             decoded_while_live += [e.batch_size for e in out.events if isinstance(e, Decoded)]
     assert decoded_while_live and max(decoded_while_live) == 2, decoded_while_live
     assert [s.output_ids for s in seqs] == alone, "a wait, and the moves, change no row's answer"
+
+
+def test_the_same_prompt_admitted_together_is_computed_once_and_every_copy_keeps_its_answer(decoder, prompts, alone):
+    counting = CountingDecoder(decoder)
+    core = EngineCore(counting, SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length=512))
+    other = next(i for i in range(1, len(prompts)) if alone[i][0] != alone[0][0])  # another first token
+    order = (0, other, 0, other, 0)  # n choices of two prompts, in one prefill chunk
+    seqs = [Sequence(prompt_ids=list(prompts[i]), params=SamplingParams(max_tokens=MAX_TOKENS[i], end_ids=()))
+            for i in order]
+    list(core._prefill_chunk(seqs))
+    assert counting.calls == [(2, max(len(prompts[0]), len(prompts[other])))], "each prompt computed once"
+    while core.step().progressed:
+        pass
+    assert [s.output_ids for s in seqs] == [alone[i] for i in order]
 
 
 def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservation(decoder, prompts):

@@ -12,7 +12,7 @@ from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.factory import cpu_decoder
-from tests.helpers import variant_folder
+from tests.helpers import CountingDecoder, variant_folder
 
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
           "is asked for, never invent tracking numbers, and say plainly when you do not know. ")
@@ -73,20 +73,6 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
         assert run(core, sequences([short])) == alone, cut
 
 
-class CountingDecoder:
-    """The real decoder, recording the shape of the tokens of each call."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def forward_in_place(self, input_ids, attention_mask, cache):
-        self.calls.append(input_ids.shape)
-        return self.inner.forward_in_place(input_ids, attention_mask, cache)
-
-
 def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, without_reuse):
     counting = CountingDecoder(decoder)
     core = reuse(counting)
@@ -100,6 +86,31 @@ def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, wit
     counting.calls.clear()
     assert run(core, sequences(prompts[:1], salt="tenant-b")) == without_reuse[:1]
     assert counting.calls[0] == (1, len(prompts[0])), "under another salt the prompt is computed again"
+
+
+class FailingRest(CountingDecoder):
+    """Fails the rest of a prompt (new tokens after a past) that holds this token."""
+
+    def __init__(self, inner, token: int):
+        super().__init__(inner)
+        self.token = token
+
+    def forward_in_place(self, input_ids, attention_mask, cache):
+        if 1 < input_ids.shape[1] < attention_mask.shape[1] and self.token in input_ids:
+            raise RuntimeError("injected: this rest fails")
+        return super().forward_in_place(input_ids, attention_mask, cache)
+
+
+def test_copies_of_a_prompt_whose_rest_fails_fail_with_it_and_a_neighbour_is_unchanged(decoder, prompts,
+                                                                                        without_reuse):
+    bad, good = prompts[1], prompts[2]
+    token = next(t for t in bad if t not in good)  # in its question, computed after the cached system prompt
+    core = reuse(FailingRest(decoder, token))
+    run(core, sequences(prompts[:1]))  # caches the shared system prompt
+    seqs = sequences([bad, good, bad])
+    outputs = run(core, seqs)
+    assert [s.finish_reason for s in seqs] == ["error", "length", "error"]
+    assert outputs[1] == without_reuse[2]
 
 
 def test_a_batch_sharing_a_prefix_and_a_cancelled_neighbour(decoder, prompts, without_reuse):

@@ -213,16 +213,17 @@ class EngineCore:
                     yield from self._fail(seq, single_error)
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
-        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt) for s in sequences} if self.prefix else {}
-        fresh = [s for s in sequences if not hits.get(id(s))]
+        unique, forks = self._unique(sequences)
+        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt) for s in unique} if self.prefix else {}
+        fresh = [s for s in unique if not hits.get(id(s))]
         first_row = len(self.running)
-        parts, computed, padding = [], 0, 0
+        parts, computed, padding, errors = [], 0, 0, {}
         if fresh:
             logits, computed, padding = self.cache.prefill([s.prompt_ids for s in fresh],
                                                            [s.reserved_tokens() for s in fresh])
             self.running += fresh  # the cache's new rows, in order
             parts.append(logits)
-        for seq in sequences:
+        for seq in unique:
             hit = hits.get(id(seq))
             if not hit:
                 continue
@@ -235,16 +236,26 @@ class EngineCore:
                     logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(),
                                                                hit.tokens(self.prefix.block_tokens), fill)
             except Exception as error:  # noqa: BLE001 - this sequence's own prefill: it fails alone
+                errors[id(seq)] = error
                 yield from self._fail(seq, error)
                 continue
             self.running.append(seq)
             parts.append(logits)
             computed += rest
+        logits = np.concatenate(parts) if parts else None  # row i: running[first_row + i]'s last prompt position
+        computed_rows = {id(seq): i for i, seq in enumerate(self.running[first_row:])}
+        for seq, source in forks:  # the same prompt as one computed above: its row copied, its logits shared
+            if id(source) not in computed_rows:  # its prefill failed: so does this one's
+                yield from self._fail(seq, errors[id(source)])
+                continue
+            row = computed_rows[id(source)]
+            self.cache.fork(first_row + row, seq.reserved_tokens())
+            self.running.append(seq)
+            logits = np.concatenate([logits, logits[row][None]])
         joined = self.running[first_row:]
-        logits = np.concatenate(parts) if joined else None  # row i: joined[i]'s last prompt position
         if self.prefix is not None:
             room = self._prefix_room()
-            for i, seq in enumerate(joined):
+            for i, seq in enumerate(joined[:len(computed_rows)]):
                 self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(first_row + i), room, logits[i])
         if not joined:
             return
@@ -255,6 +266,20 @@ class EngineCore:
             yield from self._fail(seq, error)
         for seq in joined:
             yield from self._emit(seq)
+
+    def _unique(self, sequences: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]]]:
+        """The sequences whose prompts are computed, and the others (slot cache: the same prompt and salt as one of
+        them, like ``n`` choices of one prompt admitted together) each with the one it copies."""
+        if self.cache.layout != "slots":
+            return sequences, []
+        unique, forks, first = [], [], {}
+        for seq in sequences:
+            source = first.setdefault((seq.cache_salt, tuple(seq.prompt_ids)), seq)
+            if source is seq:
+                unique.append(seq)
+            else:
+                forks.append((seq, source))
+        return unique, forks
 
     def _prefix_room(self) -> int:
         """Tokens of the KV budget that the running and admitted sequences' reservations leave to the prefix cache."""

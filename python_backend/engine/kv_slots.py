@@ -119,6 +119,17 @@ class SlotKVCache:
         self.lengths = np.append(self.lengths, length)
         self.reserved = np.append(self.reserved, reserved)
 
+    def fork(self, source: int, reserved: int) -> None:
+        """A new row in the next free slot holding a copy of row ``source``'s tokens (the same prompt, admitted
+        together: computed once)."""
+        length = int(self.lengths[source])
+
+        def copy(row: list[np.ndarray]) -> None:
+            for target, held in zip(row, self.row(source)):
+                target[:, :, :length] = held[:, :, :length]
+
+        self.adopt(length, reserved, copy)
+
     def row(self, r: int) -> list[np.ndarray]:
         """Row r's cache: one [1, kv_heads, max_len, head_dim] view per layer key and value."""
         return self._rows(r, r + 1)

@@ -8,7 +8,7 @@ token not cached; and, for a prompt seen whole, what makes it need no computing 
 - **Whole prompts.** After its prefill a prompt also leaves an entry keyed behind its last full block: its tokens
   past that block (0 to block_tokens - 1, their keys and values in a block of the pool) and its last position's
   logits. The same prompt again, under the same salt, is copied in whole and its first token is chosen from those
-  logits: no model call (n choices of one prompt, a retried request, a batch file's repeated rows). The logits cost
+  logits: no model call (a retried request, a batch file's repeated rows). The logits cost
   memory like ``logits_tokens`` tokens of the budget.
 - **Copies, not references.** A hit copies the blocks into the new row's slot, and a prefilled prompt copies its
   full blocks into the cache: a running sequence never shares memory with the cache, so evicting a block can never
