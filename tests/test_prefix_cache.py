@@ -4,6 +4,7 @@ the least recently used prefix evicted under a small budget and recomputed to th
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from python_backend.engine.core import EngineCore
@@ -79,6 +80,9 @@ def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, wit
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
     full, tail = divmod(len(prompts[0]), 16)
     assert core.prefix.cached_tokens == full * 16 + (16 if tail else 0) + core.prefix.logits_tokens > full * 16
+    shape = decoder.cache_shape
+    page = shape.num_kv_heads * 16 * shape.head_dim * np.dtype(shape.dtype).itemsize * len(shape.cache_names())
+    assert core.prefix.cached_bytes() == (full + bool(tail)) * page + decoder.vocab_size * 4
     counting.calls.clear()
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
     # the first token from the cached logits, then one decode step for each of the other 11

@@ -71,14 +71,13 @@ class PrefixCache:
         self._blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))
         self.cached_tokens = 0  # tokens of the budget the entries hold
+        self._pages = self._wholes = 0  # entries holding a block of the pool, entries holding logits
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of them, found in the cache
         self.evicted_blocks = 0
 
     def cached_bytes(self) -> int:
-        pages = sum(block.index is not None for block in self._blocks.values())
-        wholes = sum(block.logits is not None for block in self._blocks.values())
-        return pages * self._block_bytes * len(self._maps) + wholes * self._logits_bytes
+        return self._pages * self._block_bytes * len(self._maps) + self._wholes * self._logits_bytes
 
     def _root(self, salt: str) -> int:
         return hash(("prefix", salt))
@@ -187,7 +186,12 @@ class PrefixCache:
 
     def _add(self, block: Block) -> None:
         self._blocks[block.key] = block
-        self.cached_tokens += block.cost
+        self._count(block, 1)
+
+    def _count(self, block: Block, sign: int) -> None:
+        self.cached_tokens += sign * block.cost
+        self._pages += sign * (block.index is not None)
+        self._wholes += sign * (block.logits is not None)
 
     def trim(self, room_tokens: int) -> None:
         """Drops least recently used entries until the cache holds at most room_tokens."""
@@ -197,7 +201,7 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         block = self._blocks.pop(key)
-        self.cached_tokens -= block.cost
+        self._count(block, -1)
         if block.index is None:
             return
         start = block.index * self._block_bytes
