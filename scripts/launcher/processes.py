@@ -29,16 +29,21 @@ class Ports:
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
-    """SIGTERM, then SIGKILL after timeout_s. A killed tritonserver can leave its Python stubs running (seen: an
-    orphaned llm stub holding 600 MB) and their shared memory behind: both are removed."""
+    """SIGTERM, then SIGKILL after timeout_s; then the Python stubs that name this server (and their shared memory)
+    are removed. A killed tritonserver's stubs see it gone within a second and exit, but a stub whose own thread is
+    stuck does not (seen: an orphaned llm stub holding 600 MB, and after test runs an llm stub whose server had
+    exited), and nor does one listed by its parent only, once that parent has died."""
     if process.poll() is None:
         stubs = stub_processes(process.pid)
         terminate(process, timeout_s)
-        for pid, regions in stubs.items():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-            for region in regions:
-                Path("/dev/shm", region).unlink(missing_ok=True)
+    else:
+        stubs = {}
+    stubs |= stub_processes(process.pid)
+    for pid, regions in stubs.items():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        for region in regions:
+            Path("/dev/shm", region).unlink(missing_ok=True)
 
 
 def terminate(process: subprocess.Popen, timeout_s: float) -> None:
@@ -52,7 +57,8 @@ def terminate(process: subprocess.Popen, timeout_s: float) -> None:
 
 
 def stub_processes(server_pid: int) -> dict[int, list[str]]:
-    """A server's Python stub processes -> their shared-memory regions (each stub's command line names its own)."""
+    """A server's Python stub processes -> their shared-memory regions. A stub is the server's child, or, once the
+    server is gone, names it: its command line is the model file, its region, two sizes, then the server's pid."""
     stubs = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -60,9 +66,11 @@ def stub_processes(server_pid: int) -> dict[int, list[str]]:
             status = (cmdline.parent / "status").read_text()
         except OSError:
             continue
+        if not (args and args[0].endswith(b"triton_python_backend_stub")) or "State:\tZ" in status:
+            continue
+        regions = [i for i, a in enumerate(args) if a.startswith(b"triton_python_backend_shm_region")]
         parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-        if parent == str(server_pid) and args and args[0].endswith(b"triton_python_backend_stub"):
-            stubs[int(cmdline.parent.name)] = [a.decode() for a in args
-                                                if a.startswith(b"triton_python_backend_shm_region")]
+        names_server = bool(regions) and len(args) > regions[0] + 3 and args[regions[0] + 3] == str(server_pid).encode()
+        if parent == str(server_pid) or names_server:
+            stubs[int(cmdline.parent.name)] = [args[i].decode() for i in regions]
     return stubs
-

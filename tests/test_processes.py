@@ -1,0 +1,58 @@
+"""Stopping a server removes the Python stubs that name it and their shared memory, also once the server itself is
+gone (a stub whose own thread is stuck outlives it); plain processes stand in for tritonserver and its stubs."""
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from scripts.launcher.processes import stop, stub_processes
+from tests.helpers import wait_for
+
+
+@pytest.fixture
+def fake_server():
+    process = subprocess.Popen(["sleep", "600"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture
+def region():
+    path = Path("/dev/shm", f"triton_python_backend_shm_region_test-{uuid.uuid4().hex}")
+    path.write_bytes(b"\0" * 16)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def fake_stub(folder: Path, server_pid: int, region: Path) -> subprocess.Popen:
+    """A process whose command line reads as a stub's: the stub's name, then its region, two sizes and the pid of the
+    server that started it (a real stub has its model file before the region)."""
+    script = "import time; time.sleep(600)"
+    stub = subprocess.Popen(["bash", "-c", f'exec -a {folder}/triton_python_backend_stub {sys.executable} -c '
+                                           f'"{script}" {region.name} 1048576 1048576 {server_pid}'])
+    wait_for(lambda: stub.pid in stub_processes(server_pid), 30, message="the fake stub never showed up")
+    return stub
+
+
+def test_a_stub_that_outlives_its_killed_server_is_removed_with_its_memory(fake_server, region, tmp_path):
+    stub = fake_stub(tmp_path, fake_server.pid, region)
+    assert stub_processes(fake_server.pid)[stub.pid] == [region.name]
+    fake_server.kill()
+    fake_server.wait()
+    stop(fake_server)
+    assert stub.wait(timeout=30) == -9
+    assert not region.exists()
+
+
+def test_stopping_a_running_server_removes_its_stubs_and_leaves_another_servers(fake_server, region, tmp_path):
+    other = fake_stub(tmp_path, fake_server.pid + 100_000, region)  # names a pid that no process here has
+    mine = fake_stub(tmp_path, fake_server.pid, region)
+    stop(fake_server, timeout_s=10)
+    assert fake_server.returncode is not None and mine.wait(timeout=30) == -9
+    assert other.poll() is None, "a stub of another server is left alone"
+    other.kill()
+    other.wait()
