@@ -84,7 +84,9 @@ class SlotKVCache:
             raise
         self.lengths = np.concatenate([self.lengths, lengths])
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
-        return logits[np.arange(rows), lengths - 1], rows * longest, rows * longest - int(lengths.sum())
+        last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]  # (a graph that
+        # computes the head for each row's last position only: scripts/prepare/fused_graph.py)
+        return last, rows * longest, rows * longest - int(lengths.sum())
 
     def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill) -> tuple[np.ndarray, int, int]:
         """One prompt into the next free slot, whose first ``cached`` tokens ``fill(row)`` writes (a prefix cache's

@@ -2,8 +2,9 @@
 
 The graph is onnxruntime-genai's model builder's (scripts/prepare/fused_graph.py): ``GroupQueryAttention`` with
 rotary embedding inside, fused norms, one packed QKV MatMul. Its interface: inputs ``input_ids`` [rows, new] and
-``attention_mask`` [rows, total] (int64), ``past_key_values.{i}.key/.value``; outputs ``logits`` [rows, new, vocab]
-and ``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
+``attention_mask`` [rows, total] (int64), ``past_key_values.{i}.key/.value``; outputs ``logits`` [rows, 1, vocab]
+(each row's last position: the project's build gathers it before the LM head; a graph without that gives
+[rows, new, vocab]) and ``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
 
 Bound to one buffer for both the past and the present, ``GroupQueryAttention`` appends each row's new keys and
 values at that row's own length, where the mask says it ends, instead of copying the cache into a longer present:
@@ -39,7 +40,8 @@ def is_fused_graph(model_path: str | os.PathLike) -> bool:
 class OnnxSlotDecoder:
     """``forward_in_place(input_ids, attention_mask, cache)``: ``cache`` holds one contiguous array per layer key and
     value, [rows, kv_heads, max_len, head_dim] (views of the slots' buffers), bound as past and present at once.
-    Returns the logits of every new position, [rows, new, vocab]."""
+    Returns the logits of each row's last position [rows, 1, vocab] (or of every new position, [rows, new, vocab],
+    from a graph built without that gather)."""
 
     kv_layout = "slots"
     tensors = HostTensors()
