@@ -63,9 +63,8 @@ def lm_head(model: onnx.ModelProto) -> str:
 
 def logits_of_last_positions(model: onnx.ModelProto) -> None:
     """Makes the graph compute the LM head for each row's last position only: ``logits`` becomes [rows, 1, vocab].
-    The engine reads no other position, and the head (49,152 x 576 for SmolLM2) over every new position of a prompt
-    was a seventh of its prefill (onnxruntime's profiler, a 150-token prompt); the last positions' logits are the
-    same bits as before.
+    The engine reads no other position, so the head (49,152 x 576 for SmolLM2) over every other position of a
+    prompt is wasted work; the last positions' logits are the same bits as before.
     A row's last position among its new tokens: min(its mask's sum, new) - 1 (a right-padded first prompt: its
     length - 1; a prompt's rest after a past, or a decode step: new - 1)."""
     graph = model.graph
