@@ -244,14 +244,16 @@ class EngineCore:
             computed += rest
         logits = np.concatenate(parts) if parts else None  # row i: running[first_row + i]'s last prompt position
         computed_rows = {id(seq): i for i, seq in enumerate(self.running[first_row:])}
+        copied = []  # the computed row each fork copies
         for seq, source in forks:  # the same prompt as one computed above: its row copied, its logits shared
             if id(source) not in computed_rows:  # its prefill failed: so does this one's
                 yield from self._fail(seq, errors[id(source)])
                 continue
-            row = computed_rows[id(source)]
-            self.cache.fork(first_row + row, seq.reserved_tokens())
+            copied.append(computed_rows[id(source)])
+            self.cache.fork(first_row + copied[-1], seq.reserved_tokens())
             self.running.append(seq)
-            logits = np.concatenate([logits, logits[row][None]])
+        if copied:
+            logits = np.concatenate([logits, logits[copied]])
         joined = self.running[first_row:]
         if self.prefix is not None:
             room = self._prefix_room()

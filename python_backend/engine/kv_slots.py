@@ -84,8 +84,8 @@ class SlotKVCache:
             raise
         self.lengths = np.concatenate([self.lengths, lengths])
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
-        last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]  # (a graph that
-        # computes the head for each row's last position only: scripts/prepare/fused_graph.py)
+        # The project's fused graphs compute the head at each row's last position only (fused_graph.py).
+        last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]
         return last, rows * longest, rows * longest - int(lengths.sum())
 
     def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill) -> tuple[np.ndarray, int, int]:
