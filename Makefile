@@ -106,8 +106,11 @@ serve: model
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
+# It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
 test: variants
-	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest $(PYTEST_ARGS)
+	@started=$$(date +%s); \
+	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest --durations=20 $(PYTEST_ARGS); status=$$?; \
+	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status
 
 benchmark: variants
 	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) \

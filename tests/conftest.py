@@ -1,4 +1,5 @@
 import ast
+import contextlib
 import functools
 import inspect
 import json
@@ -9,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
-from scripts.launcher.triton_server import running_server
-from scripts.paths import default_model_dir
+from scripts.launcher.openai_server import running_openai_api
+from scripts.launcher.triton_server import all_models, running_server
+from scripts.paths import MODEL_REPOSITORY, default_model_dir
+from tests.helpers import KV_TEST_PROMPTS, variant_folder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,6 +46,12 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="session")
+def kv_prompts(tokenizer) -> list[list[int]]:
+    """KV_TEST_PROMPTS as chat prompts' token ids, for the KV caches' batching tests."""
+    return [tokenizer.encode(p, apply_chat_template=True) for p in KV_TEST_PROMPTS]
+
+
+@pytest.fixture(scope="session")
 def hf_model(settings):
     """The same model in transformers (the folder the export wrote or read), for reference outputs."""
     import torch
@@ -51,13 +60,75 @@ def hf_model(settings):
     return AutoModelForCausalLM.from_pretrained(settings["hf_dir"], dtype=torch.float32).eval()
 
 
+class ServerPool:
+    """Real tritonservers shared by the whole session, one for each configuration (model folder, repository,
+    environment): a configuration's server starts when a test first asks for it and stops at the session's end, so
+    each weight variant's server starts once however many files use it. They run with explicit model control, so a
+    test may reload `llm` with other settings (`reconfigured_llm` in tests/helpers.py puts the config back)."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp_path_factory = tmp_path_factory
+        self._stack = contextlib.ExitStack()
+        self._servers: dict[tuple, object] = {}
+
+    def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
+            explicit_models=None):
+        """The Ports of the server with this configuration, started on first use (every one runs with explicit model
+        control: explicit_models is accepted and not needed)."""
+        env = {MODEL_DIR_ENV: str(model_folder), **(env or {})}
+        key = (str(model_repository), tuple(sorted(env.items())))
+        if key not in self._servers:
+            log = self._tmp_path_factory.mktemp(f"triton-{Path(model_folder).name}") / "server.log"
+            print(f"\nserver log: {log}")
+            self._servers[key] = self._stack.enter_context(running_server(
+                model_repository, log_path=log, explicit_models=all_models(model_repository), env=env))
+        return self._servers[key]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 @pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
-    """A real tritonserver with the project's model repository, on free loopback ports."""
-    log = tmp_path_factory.mktemp("triton") / "server.log"
-    with running_server(log_path=log, env={MODEL_DIR_ENV: str(model_dir)}) as ports:
-        yield ports
-    print(f"server log: {log}")
+def servers(tmp_path_factory):
+    pool = ServerPool(tmp_path_factory)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def server(servers, model_dir):
+    """A real tritonserver with the project's model repository serving the fp32 export, on free loopback ports."""
+    return servers.get(model_dir)
+
+
+@pytest.fixture(scope="session")
+def service(server, model_dir, tmp_path_factory):
+    """The OpenAI-compatible service as `make serve` runs it, on a free port, in front of the shared fp32 server;
+    yields the port."""
+    log_path = tmp_path_factory.mktemp("openai") / "service.log"
+    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log_path) as url:
+        yield int(url.rsplit(":", 1)[1])
+    print(f"service log: {log_path}")
+
+
+@pytest.fixture(scope="session")
+def client(service):
+    """The official `openai` client of the shared service (no retries: a test sees each error)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{service}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model(settings) -> str:
+    """The served model's name."""
+    return settings["model_name"]
+
+
+@pytest.fixture(scope="session")
+def variant_server(servers, model_dir):
+    """variant_server("int4"): the shared tritonserver serving that weight variant (skips when it is not built)."""
+    return lambda variant: servers.get(variant_folder(model_dir, variant))
 
 
 # --- the `server` marker: on every test that starts a real tritonserver, so that `-m "not server"` starts none ---
@@ -116,7 +187,12 @@ def _starts_a_server(function) -> bool:
 def _server_source(item) -> str | None:
     """What makes this test start a server (the fixture named, or the test itself), or None."""
     for name, definitions in sorted(item._fixtureinfo.name2fixturedefs.items()):
-        if any(_starts_a_server(definition.func) for definition in definitions):
+        # The last definition is the one the test gets (a file's own overrides conftest's), and those it asks for
+        # by its own name.
+        active = definitions[-1:]
+        while len(active) < len(definitions) and name in inspect.signature(active[0].func).parameters:
+            active = definitions[-len(active) - 1:]
+        if any(_starts_a_server(definition.func) for definition in active):
             return f"its fixture `{name}`"
     return "the test itself" if _starts_a_server(item.function) else None
 

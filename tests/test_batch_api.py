@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 import jsonschema
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from openai_api.batch.store import Store
 from scripts.launcher.openai_server import running_openai_api, start_openai_api
 from scripts.launcher.processes import terminate
-from tests.helpers import metrics, wait_for, wait_idle
+from tests.helpers import CITY, WEATHER, metrics, wait_for, wait_idle
 
 pytestmark = pytest.mark.server
 
@@ -28,18 +29,16 @@ COMPLETIONS = "/v1/completions"
 ENDED = ("completed", "failed", "expired", "cancelled")
 BATCH_TIMEOUT_S = 300
 MAX_TOKENS = 6
-LONG_BATCH = 30  # lines of max_tokens 8 at 2 in flight: a batch that lasts long enough to stop it midway
+# A long batch's lines each run exactly LONG_LINE_TOKENS tokens (the end tokens banned), 2 at a time: once a few are
+# done, the rest is hundreds of engine steps away on any machine, so a cancel or a kill lands midway by count, not by
+# timing. A cancelled batch runs only the lines before the cancel, so its many lines cost nothing on a slow machine.
+LONG_LINE_TOKENS = 32
+NO_END = {"0": -100, "2": -100}  # logit_bias: <|endoftext|> and <|im_end|> never chosen
+LONG_BATCH = 100
+KILLED_BATCH = 30  # every line of it runs, before the kill or after the restart
 TWO_IN_FLIGHT = ("--batch-concurrency", "2")
 KILL_AFTER = 8  # lines done: then a restart that ran every line again would start 8 sequences too many
 QUESTIONS = ["Name a primary color.", "What is the capital of France?", "Say hello.", "Count to three."]
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                         "country": {"type": "string", "maxLength": 24}},
-        "required": ["city", "country"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
 NO_KEY = {"Authorization": openai.omit}  # per request: the client sends no Authorization header at all
 
 
@@ -58,9 +57,14 @@ def jsonl(lines: list[dict | bytes]) -> bytes:
     return b"".join((raw if isinstance(raw, bytes) else json.dumps(raw).encode()) + b"\n" for raw in lines)
 
 
-def long_batch(model: str) -> bytes:
-    return jsonl([line(f"q{i}", chat_body(model, f"Write a sentence about the number {i}.", max_tokens=8))
-                  for i in range(LONG_BATCH)])
+def long_batch(model: str, lines: int = LONG_BATCH) -> bytes:
+    return jsonl([line(f"q{i}", chat_body(model, f"Write a sentence about the number {i}.",
+                                          max_tokens=LONG_LINE_TOKENS, logit_bias=NO_END))
+                  for i in range(lines)])
+
+
+def ran_in_full(output: dict) -> bool:
+    return output["response"]["body"]["usage"]["completion_tokens"] == LONG_LINE_TOKENS
 
 
 def upload(client: openai.OpenAI, content: bytes) -> str:
@@ -283,9 +287,9 @@ def test_a_line_the_endpoint_refuses_is_in_the_error_file_with_the_status_and_bo
     assert_still_serves(client, model)
 
 
-def test_a_line_the_front_fails_on_fails_alone_and_the_batch_completes(client, model):
-    """A lone surrogate in a message once made the tokenizer raise (a 500 live, retried for 24 h in a batch); now a
-    400 live, and a final error line in a batch."""
+def test_a_line_the_front_fails_on_fails_alone_and_the_batch_completes(front, client, model):
+    """A lone surrogate in a message once made the tokenizer raise (a 500 live, retried for 24 h in a batch); now it
+    is an invalid request: a 400 live, and the same 400 as a final error line in a batch."""
     lines = [line("surrogate", chat_body(model, "\udc80")), line("good", chat_body(model, QUESTIONS[0]))]
     batch = create(client, jsonl(lines))
     try:
@@ -296,8 +300,15 @@ def test_a_line_the_front_fails_on_fails_alone_and_the_batch_completes(client, m
             client.batches.cancel(batch.id)  # so that its retries end with this test
     assert batch.status == "completed"
     assert list(by_id(records(client, batch.output_file_id))) == ["good"]
-    failed = by_id(records(client, batch.error_file_id))["surrogate"]
-    assert failed["response"]["status_code"] in (400, 500)
+    failed = by_id(records(client, batch.error_file_id))["surrogate"]["response"]
+    # json.dumps writes the surrogate as the escape \udc80, as a client's JSON encoder would
+    live = urllib.request.Request(f"{front}/v1/chat/completions", data=json.dumps(lines[0]["body"]).encode(),
+                                  headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(live, timeout=60)
+    assert (failed["status_code"], refused.value.code) == (400, 400)
+    assert failed["body"] == json.loads(refused.value.read())
+    assert "lone surrogate" in failed["body"]["error"]["message"]
     assert_still_serves(client, model)
 
 
@@ -365,12 +376,16 @@ def test_a_cancel_stops_the_batch_midway_and_keeps_the_lines_done(front, client,
         time.sleep(0.05)
         running = client.batches.retrieve(batch.id)
     assert running.status == "in_progress", "the batch ended before it could be cancelled midway"
-    assert client.batches.cancel(batch.id).status == "cancelling"
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
     batch = wait_batch(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at
     outputs, errors = records(client, batch.output_file_id), records(client, batch.error_file_id)
-    assert 2 <= len(outputs) < LONG_BATCH and errors == []
-    assert all(record["response"]["status_code"] == 200 for record in by_id(outputs).values())
+    # no line starts after the cancel: besides the lines counted by then, only the two in flight and two that had
+    # just ended, not yet counted, can finish
+    done_by_the_cancel = cancelling.request_counts.completed
+    assert 2 <= done_by_the_cancel <= len(outputs) <= done_by_the_cancel + 4 and errors == []
+    assert all(record["response"]["status_code"] == 200 and ran_in_full(record) for record in by_id(outputs).values())
     counts = batch.request_counts
     assert (counts.total, counts.completed, counts.failed) == (LONG_BATCH, len(outputs), 0)
 
@@ -382,7 +397,7 @@ def test_a_batch_survives_kill_9_of_the_front_and_each_line_runs_once(server, mo
     process, url = start_openai_api(triton, model_dir, log, data_dir=data_dir, extra_args=TWO_IN_FLIGHT)
     try:
         client = client_for(url)
-        batch = create(client, long_batch(client.models.list().data[0].id))
+        batch = create(client, long_batch(client.models.list().data[0].id, KILLED_BATCH))
         running = wait_batch(client, batch.id, until=ENDED + ("in_progress",))
         while running.status == "in_progress" and running.request_counts.completed < KILL_AFTER:
             time.sleep(0.05)
@@ -400,7 +415,7 @@ def test_a_batch_survives_kill_9_of_the_front_and_each_line_runs_once(server, mo
     finally:
         store.close()
     pending = total - completed - failed
-    assert total == LONG_BATCH and completed >= KILL_AFTER and pending > 0
+    assert total == KILLED_BATCH and completed >= KILL_AFTER and pending > 0
     started = first_tokens(server)
 
     process, url = start_openai_api(triton, model_dir, log, data_dir=data_dir, port=int(url.rsplit(":", 1)[1]),
@@ -410,10 +425,11 @@ def test_a_batch_survives_kill_9_of_the_front_and_each_line_runs_once(server, mo
         batch = wait_batch(client, batch.id)
         assert batch.status == "completed"
         outputs, errors = by_id(records(client, batch.output_file_id)), records(client, batch.error_file_id)
-        assert len(outputs) + len(errors) == LONG_BATCH and errors == []
-        assert set(outputs) == {f"q{i}" for i in range(LONG_BATCH)}
+        assert len(outputs) + len(errors) == KILLED_BATCH and errors == []
+        assert set(outputs) == {f"q{i}" for i in range(KILLED_BATCH)}
+        assert all(ran_in_full(record) for record in outputs.values())
         assert {cid: outputs[cid] for cid in done_before} == done_before  # kept as recorded, not run again
-        assert batch.request_counts.completed == LONG_BATCH
+        assert batch.request_counts.completed == KILLED_BATCH
         restarted = front_metrics(url)
         assert restarted.get(("openai_api_batch_lines_total", "completed"), 0) == pending
     finally:

@@ -65,17 +65,16 @@ def test_lines_sharing_a_prefix_sort_together():
 
 class Endpoint:
     """Stands in for the live endpoint: answers each body with its user text, after ``fail_first`` 503s per line;
-    ``gate`` (an asyncio.Event) holds every call until set."""
+    ``hold`` (a coroutine function, such as an asyncio.Event's wait) is awaited by every call before it answers."""
 
-    def __init__(self, fail_first=0, gate=None, delay_s=0.0):
-        self.calls, self.fail_first, self.gate, self.failures, self.delay_s = [], fail_first, gate, {}, delay_s
+    def __init__(self, fail_first=0, hold=None):
+        self.calls, self.fail_first, self.hold, self.failures = [], fail_first, hold, {}
 
     async def __call__(self, endpoint, body, owner):
         content = body["messages"][-1]["content"]
         self.calls.append(content)
-        if self.gate is not None:
-            await self.gate.wait()
-        await asyncio.sleep(self.delay_s)
+        if self.hold is not None:
+            await self.hold()
         if self.failures.get(content, 0) < self.fail_first:
             self.failures[content] = self.failures.get(content, 0) + 1
             return 503, {"error": {"message": "queue full", "type": "server_error", "param": None, "code": None}}
@@ -151,7 +150,7 @@ def test_cancel_stops_new_lines_and_keeps_finished_ones(tmp_path):
 
     async def main():
         gate = asyncio.Event()
-        endpoint = Endpoint(gate=gate)
+        endpoint = Endpoint(hold=gate.wait)
         runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=2))
         runner.start()
         while len(endpoint.calls) < 2:
@@ -224,29 +223,39 @@ def test_a_line_still_retried_when_the_window_closes_makes_the_batch_expire_with
 
 
 def test_a_finished_line_adds_itself_to_the_counts_without_recounting_the_batch(tmp_path):
+    """One line at a time: each call waits until the counts a client polls show every line answered before it, so
+    a line that does not add itself holds the next one (until a timeout that only bounds a hang)."""
     store = Store(tmp_path / "data")
     batch_id = new_batch(store, tmp_path, 40)
-    recounts, seen = [], []
+    recounts = []
     recount = store.counts
     store.counts = lambda b: recounts.append(b) or recount(b)
-    finish = store.finish_line
+    seen, behind = [], []  # what a client polling the batch saw as each line started; a call that gave up waiting
 
-    def finish_and_look(*args):  # what a client polling the batch saw just before each line was recorded
-        seen.append(store.get_batch(None, batch_id)["request_counts"]["completed"])
-        return finish(*args)
+    def completed() -> int:
+        return store.get_batch(None, batch_id)["request_counts"]["completed"]
 
-    store.finish_line = finish_and_look
+    async def counts_caught_up():
+        answered = len(endpoint.calls) - 1  # every earlier call has returned its 200 (concurrency 1)
+        deadline = time.monotonic() + 10
+        while not behind and completed() < answered:
+            if time.monotonic() > deadline:
+                behind.append(answered)  # the later lines run without waiting, so that the batch still ends
+            await asyncio.sleep(0.005)
+        seen.append(completed())
+
+    endpoint = Endpoint(hold=counts_caught_up)
 
     async def main():
-        runner = BatchRunner(store, Endpoint(delay_s=0.02), RunnerConfig(concurrency=1))
+        runner = BatchRunner(store, endpoint, RunnerConfig(concurrency=1))
         runner.start()
-        record = await run_until(store, runner, batch_id)
+        record = await run_until(store, runner, batch_id, timeout=60)
         await runner.stop()
         return record
 
     record = asyncio.run(main())
     assert record["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
-    assert seen == sorted(seen) and seen[-1] > 0, f"the counts rise with the lines while the batch runs: {seen}"
+    assert seen == list(range(40)), f"the counts rise with each line while the batch runs: {seen}"
     assert len(recounts) <= 5, f"a recount per status change, not per line: {len(recounts)}"
 
 

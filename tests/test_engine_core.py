@@ -8,7 +8,7 @@ from python_backend.engine.scheduler import Scheduler, SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, Failed, NewTokens, Prefilled, StepOutput
 from python_backend.runtime.fault_injection import FaultyDecoder
-from tests.helpers import fail_choice_after, outputs_alone
+from tests.helpers import CountingDecoder, fail_choice_after, outputs_alone
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):"]
 
@@ -144,29 +144,16 @@ def test_dynamic_lets_finished_rows_go_at_once(decoder, prompts):
     assert decodes == [(3, 1), (2, 0), (1, 0), (1, 0), (1, 0)]
 
 
-class CountingDecoder:
-    def __init__(self, decoder):
-        self.decoder, self.calls = decoder, 0
-        self.cache_shape, self.vocab_size, self.tensors = decoder.cache_shape, decoder.vocab_size, decoder.tensors
-
-    def empty_cache(self, batch_size):
-        return self.decoder.empty_cache(batch_size)
-
-    def forward(self, *args):
-        self.calls += 1
-        return self.decoder.forward(*args)
-
-
 def test_stream_yields_a_newcomers_first_token_before_the_step_decodes(decoder, prompts):
     counting = CountingDecoder(decoder)
     eng = core(counting, strategy="continuous")
     [first, second] = make(prompts[:2], [8, 8])
     eng.add(first)
     eng.step()
-    assert counting.calls == 2, "a prefill and a decode"
+    assert len(counting.calls) == 2, "a prefill and a decode"
     eng.add(second)
     out = StepOutput()
-    calls_when_yielded = [counting.calls for event in eng.stream(out) if isinstance(event, NewTokens)]
+    calls_when_yielded = [len(counting.calls) for event in eng.stream(out) if isinstance(event, NewTokens)]
     assert calls_when_yielded == [3, 4, 4], "the newcomer's token left after its prefill, before the decode ran"
     assert [type(e) for e in out.events] == [Prefilled, NewTokens, Decoded, NewTokens, NewTokens]
     assert [e.seq for e in out.new_tokens] == [second, first, second]

@@ -19,7 +19,7 @@ NEIGHBOURS = ["What is the capital of France?", "Name three primary colors.", "ç
 MAX_TOKENS = 24
 
 
-def llm_request(prompt_ids, max_tokens=MAX_TOKENS, **sampling):
+def neighbour_request(prompt_ids, max_tokens=MAX_TOKENS, **sampling):
     return helpers.llm_request(prompt_ids, max_tokens, **sampling)
 
 
@@ -32,7 +32,7 @@ def neighbours(tokenizer):
 def alone(server, neighbours):
     answers = []
     for ids in neighbours:
-        out, error = llm_stream(server, llm_request(ids))
+        out, error = llm_stream(server, neighbour_request(ids))
         assert error is None, error
         answers.append(out)
     return answers
@@ -49,9 +49,9 @@ POISONS = {
 
 @pytest.mark.parametrize("poison", list(POISONS), ids=list(POISONS))
 def test_a_poisoned_request_among_8_changes_no_neighbours_tokens(server, neighbours, alone, poison):
-    poisoned = llm_request(neighbours[0], max_tokens=48, **POISONS[poison])
+    poisoned = neighbour_request(neighbours[0], max_tokens=48, **POISONS[poison])
     with ThreadPoolExecutor(9) as pool:
-        futures = [pool.submit(llm_stream, server, llm_request(ids)) for ids in neighbours]
+        futures = [pool.submit(llm_stream, server, neighbour_request(ids)) for ids in neighbours]
         bad = pool.submit(llm_stream, server, poisoned)
         results = [f.result() for f in futures]
         bad_ids, bad_error = bad.result()
@@ -62,8 +62,8 @@ def test_a_poisoned_request_among_8_changes_no_neighbours_tokens(server, neighbo
 
 def test_a_token_id_outside_the_vocabulary_is_refused_and_neighbours_finish(server, neighbours, alone):
     with ThreadPoolExecutor(9) as pool:
-        futures = [pool.submit(llm_stream, server, llm_request(ids)) for ids in neighbours]
-        bad = pool.submit(llm_stream, server, llm_request(neighbours[0][:-1] + [49152]))
+        futures = [pool.submit(llm_stream, server, neighbour_request(ids)) for ids in neighbours]
+        bad = pool.submit(llm_stream, server, neighbour_request(neighbours[0][:-1] + [49152]))
         results = [f.result() for f in futures]
         _, bad_error = bad.result()
     assert "input_ids holds token id 49152, outside the vocabulary [0, 49152)" in bad_error
@@ -109,8 +109,8 @@ def test_a_failing_prefill_fails_only_its_request_on_the_server(faulty_server, n
     clean = [i for i in range(len(neighbours)) if paris not in alone[i]]  # untouched by the decode fault
     assert len(clean) >= 6
     with ThreadPoolExecutor(len(clean) + 1) as pool:
-        futures = [pool.submit(llm_stream, faulty_server, llm_request(neighbours[i])) for i in clean]
-        bad = pool.submit(llm_stream, faulty_server, llm_request(neighbours[1][:-1] + [PREFILL_POISON]))
+        futures = [pool.submit(llm_stream, faulty_server, neighbour_request(neighbours[i])) for i in clean]
+        bad = pool.submit(llm_stream, faulty_server, neighbour_request(neighbours[1][:-1] + [PREFILL_POISON]))
         results = [f.result() for f in futures]
         _, bad_error = bad.result()
     assert "injected fault: a prefill fed token 49000" in bad_error

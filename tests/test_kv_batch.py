@@ -9,13 +9,7 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import length_sorted_chunks
 from python_backend.engine.sequence import Sequence
-from tests.helpers import KV_TEST_PROMPTS, outputs_alone
-
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [tokenizer.encode(p, apply_chat_template=True) for p in KV_TEST_PROMPTS]
+from tests.helpers import outputs_alone
 
 
 def sequences(prompts, max_tokens=12, eos=(2,)):
@@ -23,24 +17,24 @@ def sequences(prompts, max_tokens=12, eos=(2,)):
 
 
 @pytest.fixture(scope="module")
-def alone(decoder, prompts):
-    return outputs_alone(decoder, sequences(prompts))
+def alone(decoder, kv_prompts):
+    return outputs_alone(decoder, sequences(kv_prompts))
 
 
 def test_each_prompt_generates_something(alone):
     assert all(len(ids) > 0 for ids in alone)
 
 
-def test_batched_greedy_equals_alone(decoder, prompts, alone):
-    batch = sequences(prompts)
+def test_batched_greedy_equals_alone(decoder, kv_prompts, alone):
+    batch = sequences(kv_prompts)
     totals = generate(decoder, batch)
     assert [s.output_ids for s in batch] == alone
     chunks = [[len(s.prompt_ids) for s in chunk] for chunk in length_sorted_chunks(batch)]
     assert totals.padding_tokens == sum(len(c) * max(c) - sum(c) for c in chunks) > 0
 
 
-def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alone):
-    first, later = sequences(prompts[:2]), sequences(prompts[2:])
+def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, kv_prompts, alone):
+    first, later = sequences(kv_prompts[:2]), sequences(kv_prompts[2:])
     batch, logits, _ = KVBatch.prefill(decoder, [s.prompt_ids for s in first])
     tokens, _ = choose_next(first, logits)
     for _ in range(3):
@@ -60,8 +54,8 @@ def test_sequences_joining_mid_flight_get_the_same_tokens(decoder, prompts, alon
     assert [s.output_ids for s in first + later] == alone
 
 
-def test_select_trims_columns_that_are_padding_everywhere(decoder, prompts):
-    short, long = min(prompts, key=len), max(prompts, key=len)
+def test_select_trims_columns_that_are_padding_everywhere(decoder, kv_prompts):
+    short, long = min(kv_prompts, key=len), max(kv_prompts, key=len)
     batch, _, _ = KVBatch.prefill(decoder, [short, long])
     batch.select([0])
     assert batch.cache_len == len(short) and batch.real_tokens() == len(short)

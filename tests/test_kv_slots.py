@@ -19,7 +19,7 @@ from python_backend.model_files import ONNX_FILE
 from python_backend.runtime.decoder import CacheShape
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
-from tests.helpers import KV_TEST_PROMPTS, CountingDecoder, fail_choice_after, outputs_alone, variant_folder
+from tests.helpers import CountingDecoder, fail_choice_after, outputs_alone, variant_folder
 
 MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
 
@@ -31,19 +31,14 @@ def decoder(model_dir):
     return fused
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [tokenizer.encode(p, apply_chat_template=True) for p in KV_TEST_PROMPTS]
-
-
 def sequences(prompts):
     return [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=m, end_ids=()))
             for p, m in zip(prompts, MAX_TOKENS)]
 
 
 @pytest.fixture(scope="module")
-def alone(decoder, prompts):
-    return outputs_alone(decoder, sequences(prompts))
+def alone(decoder, kv_prompts):
+    return outputs_alone(decoder, sequences(kv_prompts))
 
 
 def run(decoder, seqs, strategy="continuous", max_batch_size=8, budget=65536, on_step=None):
@@ -59,23 +54,23 @@ def run(decoder, seqs, strategy="continuous", max_batch_size=8, budget=65536, on
 
 
 @pytest.mark.parametrize("strategy", ["continuous", "dynamic", "static"])
-def test_a_batch_of_slots_gives_each_row_its_answer_alone(decoder, prompts, alone, strategy):
-    seqs = sequences(prompts)
+def test_a_batch_of_slots_gives_each_row_its_answer_alone(decoder, kv_prompts, alone, strategy):
+    seqs = sequences(kv_prompts)
     core = run(decoder, seqs, strategy)
     assert [s.output_ids for s in seqs] == alone
     assert core.cache.size == 0 and core.cache.cache_bytes() == 0
 
 
-def test_rows_join_freed_slots_and_moved_rows_keep_their_answers(decoder, prompts, alone):
-    seqs = sequences(prompts)
+def test_rows_join_freed_slots_and_moved_rows_keep_their_answers(decoder, kv_prompts, alone):
+    seqs = sequences(kv_prompts)
     sizes = []
     run(decoder, seqs, max_batch_size=2, on_step=lambda core: sizes.append(core.cache.size))
     assert [s.output_ids for s in seqs] == alone
     assert max(sizes) == 2 and len(sizes) > max(MAX_TOKENS), "rows joined as others left"
 
 
-def test_a_cancelled_row_leaves_and_the_others_are_unchanged(decoder, prompts, alone):
-    seqs = sequences(prompts)
+def test_a_cancelled_row_leaves_and_the_others_are_unchanged(decoder, kv_prompts, alone):
+    seqs = sequences(kv_prompts)
 
     def cancel_the_second(core):
         if len(seqs[1].output_ids) == 3:
@@ -86,18 +81,18 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(decoder, prompts, a
     assert [s.output_ids for i, s in enumerate(seqs) if i != 1] == [a for i, a in enumerate(alone) if i != 1]
 
 
-def test_a_failing_row_leaves_and_the_others_are_unchanged(decoder, prompts, alone):
-    seqs = sequences(prompts)
+def test_a_failing_row_leaves_and_the_others_are_unchanged(decoder, kv_prompts, alone):
+    seqs = sequences(kv_prompts)
     fail_choice_after(seqs[0], 2)
     run(decoder, seqs)
     assert seqs[0].finish_reason == "error"
     assert [s.output_ids for s in seqs[1:]] == alone[1:]
 
 
-def test_batch_rows_wait_while_a_live_row_runs_and_every_row_keeps_its_answer(decoder, prompts, alone):
+def test_batch_rows_wait_while_a_live_row_runs_and_every_row_keeps_its_answer(decoder, kv_prompts, alone):
     """The last sequence is live (priority 0) and comes after the four batch rows (priority 1) have started: while it
     runs, one batch row decodes with it and the others wait (moved behind them); then all resume."""
-    seqs = sequences(prompts)
+    seqs = sequences(kv_prompts)
     background, live = seqs[:4], seqs[4]
     for seq in background:
         seq.priority = 1
@@ -120,22 +115,22 @@ def test_batch_rows_wait_while_a_live_row_runs_and_every_row_keeps_its_answer(de
     assert [s.output_ids for s in seqs] == alone, "a wait, and the moves, change no row's answer"
 
 
-def test_the_same_prompt_admitted_together_is_computed_once_and_every_copy_keeps_its_answer(decoder, prompts, alone):
+def test_the_same_prompt_admitted_together_is_computed_once_and_every_copy_keeps_its_answer(decoder, kv_prompts, alone):
     counting = CountingDecoder(decoder)
     core = EngineCore(counting, SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length=512))
-    other = next(i for i in range(1, len(prompts)) if alone[i][0] != alone[0][0])  # another first token
-    order = (0, other, 0, other, 0)  # n choices of two prompts, in one prefill chunk
-    seqs = [Sequence(prompt_ids=list(prompts[i]), params=SamplingParams(max_tokens=MAX_TOKENS[i], end_ids=()))
+    other = next(i for i in range(1, len(kv_prompts)) if alone[i][0] != alone[0][0])  # another first token
+    order = (0, other, 0, other, 0)  # n choices of two kv_prompts, in one prefill chunk
+    seqs = [Sequence(prompt_ids=list(kv_prompts[i]), params=SamplingParams(max_tokens=MAX_TOKENS[i], end_ids=()))
             for i in order]
     list(core._prefill_chunk(seqs))
-    assert counting.calls == [(2, max(len(prompts[0]), len(prompts[other])))], "each prompt computed once"
+    assert counting.calls == [(2, max(len(kv_prompts[0]), len(kv_prompts[other])))], "each prompt computed once"
     while core.step().progressed:
         pass
     assert [s.output_ids for s in seqs] == [alone[i] for i in order]
 
 
-def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservation(decoder, prompts):
-    seqs = sequences(prompts)
+def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservation(decoder, kv_prompts):
+    seqs = sequences(kv_prompts)
     seen = []
 
     def check(core):
@@ -148,8 +143,8 @@ def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservat
     assert max(seen) == len(seqs)
 
 
-def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(decoder, prompts):
-    seqs = sequences(prompts[:2])
+def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(decoder, kv_prompts):
+    seqs = sequences(kv_prompts[:2])
     budget = seqs[0].reserved_tokens() + seqs[1].reserved_tokens() - 1
     config = SchedulerConfig(max_batch_size=8, kv_budget_tokens=budget, kv_layout="slots", max_context_length=512)
     core = EngineCore(decoder, config)

@@ -11,18 +11,10 @@ import jsonschema
 import openai
 import pytest
 
-from scripts.launcher.openai_server import running_openai_api
+from tests.helpers import CITY, WEATHER
 
 pytestmark = pytest.mark.server
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                         "country": {"type": "string", "maxLength": 24}},
-        "required": ["city", "country"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The current time in a timezone.",
     "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
@@ -31,25 +23,6 @@ TOOLS = [WEATHER, TIME]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def service(server, model_dir, tmp_path_factory):
-    """The service as `make serve` runs it, on a free port, pointed at the session's tritonserver; yields the port."""
-    log_path = tmp_path_factory.mktemp("openai") / "service.log"
-    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log_path) as url:
-        yield int(url.rsplit(":", 1)[1])
-    print(f"service log: {log_path}")
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{service}/v1", api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(settings):
-    return settings["model_name"]
 
 
 def ask(client, model, **fields):

@@ -1,11 +1,13 @@
 """A batch file through N servers on Ray Data (scripts/ray_batch.py): a local Ray instance against two real servers
-(the session's tritonserver with a front, and a supervised `scripts.launcher.triton_server` with its own): every
-line once, the same answers as scripts.run_batch on one server, a bad line in the error shards, a server's
-tritonserver killed mid-job and a Ray worker killed mid-job costing retries, not lines. And the KubeRay add-on in
-deploy/k8s/ray/: the headless Service and the claim strictly valid, the RayJob against KubeRay's documented fields."""
+(the session's tritonserver with the session's front, and a supervised `scripts.launcher.triton_server` with its
+own): every line once, the same answers as scripts.run_batch on one server, a bad line in the error shards, a
+server's tritonserver killed mid-job costing retries, not lines, and a Ray worker killed with lines in flight
+restarted by Ray on its server and its lines sent again. And the KubeRay add-on in deploy/k8s/ray/: the headless
+Service and the claim strictly valid, the RayJob against KubeRay's documented fields."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -14,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,10 +24,10 @@ import pytest
 import yaml
 
 from python_backend.model_files import MODEL_DIR_ENV
-from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.processes import Ports
 from scripts.launcher.triton_server import server_environment
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import wait_for
 
 ray = pytest.importorskip("ray")
 from scripts import ray_batch  # noqa: E402  (imports ray)
@@ -99,17 +100,17 @@ class SupervisedServer:
         return next(p for p in psutil.Process(self.process.pid).children(recursive=True)
                     if p.name() == "tritonserver")
 
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.front}/v1/models", timeout=5):
+                pass
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health/ready", timeout=5):
+                return True
+        except OSError:
+            return False
+
     def wait_ready(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.front}/v1/models", timeout=5):
-                    pass
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/health/ready", timeout=5):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError(f"the supervised server was not ready within {timeout_s} s (log: {self.log.name})")
+        wait_for(self.ready, timeout_s, 0.2, f"the supervised server was not ready (log: {self.log.name})")
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -132,11 +133,9 @@ def supervised(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fronts(server, supervised, model_dir, tmp_path_factory):
-    """The two OpenAI fronts: the session server's (started here) and the supervised one's."""
-    log = tmp_path_factory.mktemp("front") / "front.log"
-    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log) as url:
-        yield [url, supervised.front]
+def fronts(service, supervised) -> list[str]:
+    """The two OpenAI fronts: the session server's (tests/conftest.py: `service`) and the supervised one's."""
+    return [f"http://127.0.0.1:{service}", supervised.front]
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +207,6 @@ def run_in_background(argv: list[str]) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.server
 @pytest.mark.ray
 def test_a_server_killed_mid_job_costs_retries_not_lines(fronts, supervised, model, reference, local_ray, tmp_path):
@@ -223,7 +215,8 @@ def test_a_server_killed_mid_job_costs_retries_not_lines(fronts, supervised, mod
     victim = supervised.tritonserver()
     thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
                                         "--servers", ",".join(fronts)])
-    wait_for(lambda: served(supervised.front) > before or not thread.is_alive(), 120, "the server's first answer")
+    wait_for(lambda: served(supervised.front) > before or not thread.is_alive(), 120,
+             message="no first answer from the supervised server")
     assert thread.is_alive(), "the job ended before the kill"
     victim.send_signal(signal.SIGKILL)  # as the OOM killer would
     thread.join(RECOVERY_TIMEOUT_S)
@@ -243,23 +236,63 @@ def map_workers() -> list[psutil.Process]:
     return found
 
 
+def connected(worker: psutil.Process, port: int) -> bool:
+    """Whether the worker has a TCP connection open to this loopback port."""
+    try:
+        return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                   for c in worker.net_connections("tcp"))
+    except psutil.Error:  # gone, or not ours to look at
+        return False
+
+
+def tritonserver_of(ports: Ports) -> psutil.Process:
+    return next(p for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "tritonserver" and f"--grpc-port={ports.grpc}" in (p.info["cmdline"] or []))
+
+
+@contextlib.contextmanager
+def stopped(process: psutil.Process):
+    """The process stopped (SIGSTOP) for the block, then continued: nothing it serves is answered meanwhile."""
+    process.suspend()
+    try:
+        yield
+    finally:
+        process.resume()
+
+
 @pytest.mark.server
 @pytest.mark.ray
-def test_a_ray_worker_killed_mid_job_is_retried_by_ray(fronts, model, reference, local_ray, tmp_path):
+def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, reference, local_ray, tmp_path):
+    """The session's tritonserver is stopped while the job starts, so the map actor that sends to it holds its lines
+    in flight, unanswered, whatever the machine's speed; that actor is killed. Its front sees those requests cut off
+    (499); Ray restarts the actor, which connects to the same server again (the assigner gives it back) and sends
+    the lines again; once the server continues, every line is written once with the single-server runner's answer."""
+    front, ports = fronts[0], [int(url.rsplit(":", 1)[1]) for url in fronts]
     (tmp_path / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
-    before = sum(served(front) for front in fronts)
-    thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
-                                        "--servers", ",".join(fronts)])
-    wait_for(lambda: (sum(served(f) for f in fronts) > before and map_workers()) or not thread.is_alive(), 120,
-             "the first answers")
-    assert thread.is_alive(), "the job ended before the kill"
-    victim = map_workers()[0]
-    victim.send_signal(signal.SIGKILL)
+    cut_off, earlier = served(front, "499"), {worker.pid for worker in map_workers()}
+
+    def sending(excluded: set[int], to_ports: list[int]) -> list[psutil.Process]:
+        """The map actors, but these, that hold a connection to one of these fronts."""
+        return [w for w in map_workers() if w.pid not in excluded and any(connected(w, p) for p in to_ports)]
+
+    with stopped(tritonserver_of(server)):
+        thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                                            "--servers", ",".join(fronts)])
+        wait_for(lambda: sending(earlier, ports[:1]) or not thread.is_alive(), RECOVERY_TIMEOUT_S, 0.05,
+                 "no map actor sent to the stopped server")
+        assert thread.is_alive(), "the job ended before the kill"
+        [victim] = sending(earlier, ports[:1])  # one actor per server
+        before_the_kill = earlier | {worker.pid for worker in map_workers()}
+        victim.send_signal(signal.SIGKILL)
+        wait_for(lambda: served(front, "499") > cut_off, 60, message="the front saw no request cut off by the kill")
+        wait_for(lambda: sending(before_the_kill, ports) or not thread.is_alive(), RECOVERY_TIMEOUT_S, 0.05,
+                 "no restarted actor sent a line")
+        assert thread.is_alive(), "the job ended without the lines the killed actor held"
+        assert sending(before_the_kill, ports[:1]), "the restarted actor was given another server"
     thread.join(RECOVERY_TIMEOUT_S)
     assert not thread.is_alive() and result["code"] == 0
     outputs, errors = assert_every_line_once(tmp_path / "out", set(reference))
     assert errors == [] and texts(outputs) == reference
-    assert victim.pid not in {p.pid for p in map_workers()}
 
 
 @ray.remote(num_cpus=0)

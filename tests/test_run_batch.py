@@ -2,6 +2,7 @@
 local stub HTTP server; then, against the real front (marker `server`), answers equal to live ones, an interrupted
 run resumed, and bad lines beside good ones."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -15,8 +16,8 @@ import pytest
 
 from scripts.clients import run_batch
 from scripts.clients.run_batch import BatchLine, order_key, parse_lines, read_done
-from scripts.launcher.openai_server import running_openai_api
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import wait_for
 
 
 def batch_line(custom_id: str, content: str, system: str = "Be brief.", **body) -> dict:
@@ -94,10 +95,11 @@ def test_the_errors_file_sits_next_to_the_output():
 
 class Stub:
     """A local HTTP server in a thread: GET /v1/models gives a card with max_batch_size; each POST is answered by
-    `answer(body, seen)` -> (status, JSON) after `delay_s`, where seen counts earlier POSTs with the same body."""
+    `answer(body, seen)` -> (status, JSON), where seen counts earlier POSTs with the same body; a POST is in flight
+    until its answer is made."""
 
-    def __init__(self, answer, max_batch_size: int | None = None, delay_s: float = 0.0):
-        self.answer, self.delay_s, self.posts, self.in_flight, self.most_in_flight = answer, delay_s, [], 0, 0
+    def __init__(self, answer, max_batch_size: int | None = None):
+        self.answer, self.posts, self.in_flight, self.most_in_flight = answer, [], 0, 0
         self.card = {"id": "m", "object": "model", **({"max_batch_size": max_batch_size} if max_batch_size else {})}
         self.lock = threading.Lock()
         stub = self
@@ -114,10 +116,10 @@ class Stub:
                                        "authorization": self.headers.get("authorization")})
                     stub.in_flight += 1
                     stub.most_in_flight = max(stub.most_in_flight, stub.in_flight)
-                time.sleep(stub.delay_s)
+                status, answer = stub.answer(body, seen)
                 with stub.lock:
                     stub.in_flight -= 1
-                self.reply(*stub.answer(body, seen))
+                self.reply(status, answer)
 
             def reply(self, status: int, body: dict):
                 data = json.dumps(body).encode()
@@ -261,7 +263,18 @@ def test_an_existing_output_is_not_overwritten_without_resume_or_overwrite(stub,
 
 
 def test_concurrency_defaults_to_the_model_cards_max_batch_size(stub, tmp_path):
-    server = stub(max_batch_size=3, delay_s=0.2)
+    """Every request is held until three are in flight at once, so that they overlap however fast the machine (a
+    timeout, once, only bounds a run that never gets there)."""
+    three_at_once = threading.Event()
+
+    def once_three_are_in_flight(body, seen):
+        if server.in_flight >= 3:
+            three_at_once.set()
+        if not three_at_once.wait(30):
+            three_at_once.set()
+        return completion()
+
+    server = stub(once_three_are_in_flight, max_batch_size=3)
     source = write_lines(tmp_path / "in.jsonl", [batch_line(f"t{i}", f"x{i}") for i in range(9)])
     assert run_batch.main(["-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--url", server.url]) == 0
     assert server.most_in_flight == 3 and len(ids(tmp_path / "out.jsonl")) == 9
@@ -311,17 +324,29 @@ def wait_for_lines(process: subprocess.Popen, out: Path, lines: int, timeout_s: 
 
 
 def test_a_run_stopped_by_sigterm_exits_143_and_resume_finishes_it_with_each_custom_id_once(stub, tmp_path):
-    server = stub(delay_s=0.1)
+    """The stub answers three lines and holds the rest until the test releases them, so the SIGTERM lands with three
+    lines written and two in flight, however fast the machine: those two alone are sent again."""
+    release, answered = threading.Event(), itertools.count(1)
+
+    def three_then_hold(body, seen):
+        if next(answered) > 3:
+            release.wait(60)
+        return completion()
+
+    server = stub(three_then_hold)
     source = write_lines(tmp_path / "in.jsonl", [batch_line(f"t{i:02d}", f"x{i}") for i in range(30)] + ["bad"])
     out = tmp_path / "out.jsonl"
     first = run_batch_process(source, out, server.url, "--concurrency", "2")
-    wait_for_lines(first, out, 3)
-    first.send_signal(signal.SIGTERM)
-    stdout, stderr = first.communicate(timeout=30)
+    try:
+        wait_for_lines(first, out, 3)
+        wait_for(lambda: len(server.posts) == 5, 60, message="two more lines in flight")
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=30)  # the two lines in flight are cancelled, not waited for
+    finally:
+        release.set()
     assert first.returncode == 143, stderr
     assert "done" in stdout and "--resume" in stderr
-    written = len(records(out))
-    assert 3 <= written < 30
+    assert len(records(out)) == 3
     with open(out, "a") as file:
         file.write('{"custom_id": "t29", "resp')  # a kill in the middle of a write
     second = run_batch_process(source, out, server.url, "--resume")
@@ -329,22 +354,16 @@ def test_a_run_stopped_by_sigterm_exits_143_and_resume_finishes_it_with_each_cus
     assert second.returncode == 0, stderr
     assert sorted(ids(out)) == [f"t{i:02d}" for i in range(30)]
     assert ids(tmp_path / "out.errors.jsonl") == [None]  # the bad line, reported once
-    assert f"{30 - written} done, 0 failed, {written + 1} skipped (resumed)" in stdout
-    assert len(server.posts) <= 30 + 2  # only the lines in flight at the interrupt were sent twice
+    assert "27 done, 0 failed, 4 skipped (resumed)" in stdout
+    assert len(server.posts) == 30 + 2, "only the two lines in flight at the interrupt were sent twice"
 
 
 # --- against the real front ---
 
 @pytest.fixture(scope="module")
-def api(server, model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("run_batch") / "api.log"
-    with running_openai_api(f"127.0.0.1:{server.grpc}", model_dir, log) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def model(settings):
-    return settings["model_name"]
+def api(service):
+    """The session's OpenAI front (tests/conftest.py: `service`), as a URL."""
+    return f"http://127.0.0.1:{service}"
 
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello.",

@@ -10,11 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from python_backend.model_files import MODEL_DIR_ENV
 from scripts.clients.llm_client import GrpcStreamClient
-from scripts.launcher.model_control import SERVED_MODELS, reload_llm
-from scripts.launcher.triton_server import running_server
-from tests.helpers import BackgroundStream, long_request, metrics, wait_for, wait_idle
+from scripts.launcher.model_control import reload_llm
+from tests.helpers import BackgroundStream, long_request, metrics, reconfigured_llm, wait_for, wait_idle
 
 pytestmark = pytest.mark.server
 WAIT_S = 300  # bounds a hung server only
@@ -33,10 +31,10 @@ LENGTH_BUCKETS, LARGEST_BUCKET_GROUP = "36", 4
 
 
 @pytest.fixture(scope="module")
-def explicit_server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("explicit") / "server.log"
-    with running_server(log_path=log, explicit_models=SERVED_MODELS, env={MODEL_DIR_ENV: str(model_dir)}) as ports:
-        yield ports
+def explicit_server(server):
+    """The session's fp32 server, its `llm` config put back once this file's reloads are done."""
+    with reconfigured_llm(server):
+        yield server
 
 
 def run_concurrently(server):
