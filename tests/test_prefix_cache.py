@@ -1,6 +1,7 @@
 """Prefix caching on the real exact fused graph (QUANT=int4): greedy tokens identical with reuse on and off for
 shared prefixes of several lengths, a whole prompt cached, a batch and a cancelled neighbour; salts kept apart;
-the least recently used prefix evicted under a small budget and recomputed to the same tokens."""
+the least recently used prefix evicted under a small budget and recomputed to the same tokens; the cache's token
+and byte counts, kept as entries come and go, always the sums over the entries it holds."""
 
 from dataclasses import replace
 
@@ -55,6 +56,23 @@ def reuse(decoder, **changes):
     return EngineCore(decoder, replace(CONFIG, enable_kv_cache_reuse=True, **changes))
 
 
+def page_bytes(decoder, block_tokens=16) -> int:
+    """The bytes of one cached block: its keys and values in every layer."""
+    shape = decoder.cache_shape
+    return shape.num_kv_heads * block_tokens * shape.head_dim * np.dtype(shape.dtype).itemsize * len(
+        shape.cache_names())
+
+
+def assert_counts_are_the_entries_sums(core, decoder):
+    """The prefix cache's running counts (kept as entries are added and dropped) equal the tokens and bytes summed
+    over the entries it holds now: a block of the pool each, a whole prompt's logits each."""
+    entries = list(core.prefix._blocks.values())
+    held_tokens = sum(entry.cost for entry in entries)
+    held_bytes = sum(page_bytes(decoder) * (entry.index is not None)
+                     + (entry.logits.nbytes if entry.logits is not None else 0) for entry in entries)
+    assert (core.prefix.cached_tokens, core.prefix.cached_bytes()) == (held_tokens, held_bytes)
+
+
 def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, without_reuse, tokenizer):
     core = reuse(decoder)
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]  # fills the cache
@@ -79,10 +97,9 @@ def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, wit
     core = reuse(counting)
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
     full, tail = divmod(len(prompts[0]), 16)
-    assert core.prefix.cached_tokens == full * 16 + (16 if tail else 0) + core.prefix.logits_tokens > full * 16
-    shape = decoder.cache_shape
-    page = shape.num_kv_heads * 16 * shape.head_dim * np.dtype(shape.dtype).itemsize * len(shape.cache_names())
-    assert core.prefix.cached_bytes() == (full + bool(tail)) * page + decoder.vocab_size * 4
+    one_prompt = (full * 16 + (16 if tail else 0) + core.prefix.logits_tokens,  # its blocks and its whole entry
+                  (full + bool(tail)) * page_bytes(decoder) + decoder.vocab_size * 4)
+    assert (core.prefix.cached_tokens, core.prefix.cached_bytes()) == one_prompt and one_prompt[0] > full * 16
     counting.calls.clear()
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
     # the first token from the cached logits, then one decode step for each of the other 11
@@ -90,6 +107,13 @@ def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, wit
     counting.calls.clear()
     assert run(core, sequences(prompts[:1], salt="tenant-b")) == without_reuse[:1]
     assert counting.calls[0] == (1, len(prompts[0])), "under another salt the prompt is computed again"
+    assert (core.prefix.cached_tokens, core.prefix.cached_bytes()) == (2 * one_prompt[0], 2 * one_prompt[1])
+    # room for one prompt's entries: the least recently used, the first salt's, are evicted, and the counts follow
+    evicted = core.prefix.evicted_blocks
+    core.prefix.trim(one_prompt[0])
+    assert core.prefix.evicted_blocks - evicted == full + 1  # its full blocks and its whole entry
+    assert (core.prefix.cached_tokens, core.prefix.cached_bytes()) == one_prompt
+    assert_counts_are_the_entries_sums(core, decoder)
 
 
 class FailingRest(CountingDecoder):
@@ -151,9 +175,11 @@ def test_the_least_recently_used_prefix_is_evicted_under_a_small_budget(decoder,
     need = max(len(prompts[0]), len(other)) + 12
     core = reuse(decoder, kv_budget_tokens=need + 48)  # beside a running request, room for three blocks at most
     first = run(core, sequences(prompts[:1]))
-    assert core.prefix.cached_tokens == 48
-    run(core, sequences([other]))  # its own blocks need the room: the least recently used of the first's go
+    assert (core.prefix.cached_tokens, core.prefix.cached_bytes()) == (48, 3 * page_bytes(decoder))
+    # its own blocks need the room: the least recently used of the first's go (the counts checked after each step)
+    run(core, sequences([other]), on_step=lambda c: assert_counts_are_the_entries_sums(c, decoder))
     assert core.prefix.evicted_blocks > 0 and core.prefix.cached_tokens <= 48 + 16
+    assert 0 < core.prefix.cached_bytes() <= 4 * page_bytes(decoder)
     hits = core.prefix.hit_tokens
     assert run(core, sequences(prompts[:1])) == first, "recomputed after eviction, the same tokens"
     assert core.prefix.hit_tokens - hits < 48, "what was evicted was computed again, not found"

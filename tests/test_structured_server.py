@@ -1,7 +1,8 @@
 """Guided decoding on a real server, through every protocol (HTTP /infer, gRPC, /generate, gRPC streaming and
 /generate_stream): the held set of JSON schemas all validate; a regular expression and a GBNF grammar are matched;
 a guided request leaves a concurrent neighbour's greedy text identical to its text alone; each bad guide is refused
-with 400 / INVALID_ARGUMENT naming its problem, before any token, and the neighbours still get their answers."""
+with 400 / INVALID_ARGUMENT naming its problem, before the engine makes any token for it, and the neighbours still
+get their answers."""
 
 from __future__ import annotations
 
@@ -80,10 +81,13 @@ BAD_GUIDES = [
 
 
 @pytest.mark.parametrize("protocol", ["generate", "grpc"])
-def test_each_bad_guide_is_refused_naming_its_problem_and_neighbours_are_served(server, protocol):
+def test_each_bad_guide_is_refused_before_any_token_naming_its_problem_and_neighbours_are_served(server, protocol):
+    """Each bad guide is refused with 400 / INVALID_ARGUMENT naming its problem while a neighbour runs, and the
+    engine made no token for it: its count of generated tokens grew by exactly the neighbours' tokens."""
     bad_client, generate = client(server, protocol), client(server)
     neighbour = {"text_input": "Name a primary color.", "max_tokens": 16, "apply_chat_template": True}
-    alone = generate.complete(neighbour).text
+    before = wait_idle(server)["llm_output_tokens_total"]  # the server is shared: counts are compared, not read
+    alone = generate.complete(neighbour)
     with ThreadPoolExecutor(4) as pool:
         running = pool.submit(generate.complete, neighbour)
         for guide_type, guide, message in BAD_GUIDES:
@@ -91,5 +95,8 @@ def test_each_bad_guide_is_refused_naming_its_problem_and_neighbours_are_served(
                 bad_client.complete(guided("Hello", guide_type, guide))
             if protocol == "generate":
                 assert str(refused.value).startswith("HTTP 400")
-        assert running.result().text == alone
-    wait_idle(server)  # nothing refused was left running or waiting
+        together = running.result()
+    assert together.text == alone.text
+    # idle: nothing refused was left running or waiting, and every token made is counted
+    made = wait_idle(server)["llm_output_tokens_total"] - before
+    assert made == alone.output_tokens + together.output_tokens, "the engine made tokens for a refused request"
