@@ -85,11 +85,13 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
     hits = core.prefix.hit_tokens
     assert run(core, sequences(prompts[:1])) == without_reuse[:1]
     assert core.prefix.hit_tokens - hits == len(prompts[0])
-    # prefixes ending at every offset inside a block: prompts cut short share 0..15 tokens of their last block
-    for cut in range(1, 17, 3):
-        short = prompts[0][: len(prompts[0]) - cut]
-        alone = run(EngineCore(decoder, CONFIG), sequences([short]))
-        assert run(core, sequences([short])) == alone, cut
+    # prefixes ending at every offset inside a block: prompts cut short share 0..15 tokens of their last block (their
+    # answers without reuse computed together: a batch gives each row its answer alone, tests/test_kv_slots.py)
+    cuts = range(1, 17, 3)
+    shorts = [prompts[0][: len(prompts[0]) - cut] for cut in cuts]
+    alone = run(EngineCore(decoder, CONFIG), sequences(shorts))
+    for cut, short, expected in zip(cuts, shorts, alone):
+        assert run(core, sequences([short])) == [expected], cut
 
 
 def test_a_prompt_seen_whole_is_answered_without_a_prefill(decoder, prompts, without_reuse):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -66,19 +67,25 @@ def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
     return output
 
 
-def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_export, tmp_path):
-    # `make serve EXPORT_DIR=build/my-model QUANT=fp32` runs the export step without SOURCE: it must keep the user's
-    # model, not export the default model over it.
-    import shutil
+def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_model_dir, tmp_path, monkeypatch):
+    """`make serve EXPORT_DIR=build/my-model QUANT=fp32` runs the export step without SOURCE: it must keep the user's
+    model (the source its mark records, up to date), not export the default model over it."""
+    from scripts.prepare import export_onnx
+    from scripts.prepare.build_marks import EXPORT_MARK, mark_complete
 
     output = tmp_path / "my-model"
-    shutil.copytree(tiny_export, output)
-    mark = (output / "export_complete.json").read_text()
-    command = [sys.executable, "-m", "scripts.prepare.export_onnx", "--output", str(output)]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "is up to date" in done.stderr + done.stdout
-    assert (output / "export_complete.json").read_text() == mark
+    output.mkdir()
+    (output / "weights.bin").write_bytes(b"the user's export")
+    mark_complete(output, EXPORT_MARK, export_onnx.source_fingerprint(tiny_model_dir))
+    mark = (output / EXPORT_MARK).read_text()
+
+    def exported_again(source, output):
+        raise AssertionError(f"exported {source} again over the user's model")
+
+    monkeypatch.setattr(export_onnx, "load_source", exported_again)
+    assert export_onnx.main(["--output", str(output)]) == 0
+    assert (output / EXPORT_MARK).read_text() == mark
+    assert (output / "weights.bin").read_bytes() == b"the user's export"
 
 
 @pytest.fixture(scope="session")
@@ -119,12 +126,17 @@ def test_raw_prompts_start_with_the_bos_the_tokenizer_adds(tiny_model_dir, hf_to
         assert tokenizer.encode(prompt, apply_chat_template=False) == expected
 
 
-def test_the_export_records_no_chat_template_and_passes_parity(tiny_export):
+@pytest.mark.server
+def test_the_export_records_no_chat_template_passes_parity_and_is_served(tiny_export, tiny_server):
+    """The whole export of another model (about 20 s of torch.onnx.export and parity) runs once, for the tests of the
+    server that serves it; the served model is the one exported."""
     import json
 
     settings = json.loads((tiny_export / "llm_settings.json").read_text())
     assert settings["chat_template"] is False and settings["max_position_embeddings"] == 256
     assert json.loads((tiny_export / "parity_report.json").read_text())["passed"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.http}/v2/models/llm/ready", timeout=10) as response:
+        assert response.status == 200
 
 
 @pytest.mark.server
