@@ -12,6 +12,7 @@ import urllib.request
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
@@ -62,6 +63,16 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str
 def metrics(server, strategy: str = "continuous", model: str = "llm") -> dict[str, float]:
     """The llm model's custom metrics under its model and strategy labels (empty if no model reports them)."""
     return read_metrics(f"127.0.0.1:{server.metrics}", model=model, strategy=strategy)
+
+
+def decode_steps_above(server, strategy, rows: int) -> float:
+    """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets = {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "llm_batch_size_bucket"
+               and s.labels.get("model") == "llm" and s.labels.get("strategy") == strategy}
+    return buckets[float("inf")] - buckets[float(rows)]
 
 
 def wait_idle(server, strategy: str = "continuous", timeout_s: float = 300) -> dict[str, float]:

@@ -1,17 +1,17 @@
-"""Prefix caching on a real server (QUANT=int4; enable_kv_cache_reuse switched off, then on, by reloads): a prompt
-sent again is answered from its cached prefix with the same text (the hit counter says so); another cache_salt finds
-nothing; with the switch off nothing is looked up."""
+"""Prefix caching on the session's shared int4 server (enable_kv_cache_reuse switched off, then on, by reloads; the llm
+config is put back as this file found it): a prompt sent again is answered from its cached prefix with the same text
+(the hit counter says so); another cache_salt finds nothing; with the switch off nothing is looked up; 32 concurrent
+requests ran together, with the same answers either way. Counters are shared with other files: each claim is on a
+delta."""
 
 from __future__ import annotations
 
 import pytest
 
-from python_backend.model_files import MODEL_DIR_ENV
 from scripts.clients.llm_client import GrpcStreamClient
-from scripts.launcher.model_control import SERVED_MODELS, reload_llm
+from scripts.launcher.model_control import reload_llm
 from scripts.launcher.openai_server import running_openai_api
-from scripts.launcher.triton_server import running_server
-from tests.helpers import metrics, variant_folder, wait_idle
+from tests.helpers import decode_steps_above, metrics, reconfigured_llm, variant_folder, wait_idle
 
 pytestmark = pytest.mark.server
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, name the port if one "
@@ -24,10 +24,10 @@ def request(question: str, salt: str | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def int4_server(model_dir, tmp_path_factory):
-    folder = variant_folder(model_dir, "int4")
-    log = tmp_path_factory.mktemp("prefix") / "server.log"
-    with running_server(log_path=log, explicit_models=SERVED_MODELS, env={MODEL_DIR_ENV: str(folder)}) as ports:
+def int4_server(variant_server):
+    """The shared int4 server; the tests reload its llm, which is loaded again with the config it had once they end."""
+    ports = variant_server("int4")
+    with reconfigured_llm(ports):
         yield ports
 
 
@@ -39,17 +39,19 @@ def counters(server) -> tuple[float, float]:
 def test_reuse_off_looks_nothing_up_then_on_answers_from_the_cache_with_the_same_text(int4_server):
     client = GrpcStreamClient(f"127.0.0.1:{int4_server.grpc}")
     reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="false")
+    before = counters(int4_server)
     off = [client.complete(request(q)).text for q in ("Where is Rotterdam?", "Where is Rotterdam?")]
-    assert counters(int4_server) == (0, 0), "with the switch off nothing is looked up"
+    assert counters(int4_server) == before, "with the switch off nothing is looked up"
 
-    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
+    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")  # a new engine: an empty prefix cache
+    queries_before, hits_before = counters(int4_server)
     first = client.complete(request("Where is Rotterdam?")).text
     queries, hits = counters(int4_server)
-    assert queries > 0 and hits == 0
+    assert queries > queries_before and hits == hits_before
     again = client.complete(request("Where is Rotterdam?")).text
     other_question = client.complete(request("What does TEU mean?")).text
     queries, hits = counters(int4_server)
-    assert hits >= 64, "the second request and the other question found the shared system prompt"
+    assert hits - hits_before >= 64, "the second request and the other question found the shared system prompt"
     assert first == again == off[0]
     assert other_question.strip()
 
@@ -87,12 +89,20 @@ def test_32_concurrent_requests_sharing_a_prefix_get_the_same_answers_with_reuse
     questions = [f"Question {i}: is port number {i} open today?" for i in range(32)]
 
     def answers() -> list[str]:
+        """The 32 answers, sent at once; asserts that decode steps ran more than 8 of them together."""
+        wait_idle(int4_server)
+        wide_before = decode_steps_above(int4_server, "continuous", 8)
         with ThreadPoolExecutor(32) as pool:
-            return [r.text for r in pool.map(client.complete, [request(q) for q in questions])]
+            texts = [r.text for r in pool.map(client.complete, [request(q) for q in questions])]
+        wait_idle(int4_server)
+        assert decode_steps_above(int4_server, "continuous", 8) > wide_before, \
+            "decode steps ran more than 8 of the 32 at once"
+        return texts
 
     reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="false")
     off = answers()
     reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
     client.complete(request(questions[0]))  # the shared prefix in the cache
+    hits = counters(int4_server)[1]
     assert answers() == off
-    assert counters(int4_server)[1] >= 31 * 64, "every request found the shared instruction's blocks"
+    assert counters(int4_server)[1] - hits >= 31 * 64, "every request found the shared instruction's blocks"

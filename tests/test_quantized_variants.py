@@ -1,38 +1,105 @@
-"""Every weight variant (`make variants`: scripts/prepare/quantize.py) against its parity thresholds, and served once by a real
-tritonserver from its own folder with no code change: the answer, the metrics' variant label, and for the variants
-that keep fp32's greedy tokens, the same answer as fp32."""
+"""Every weight variant (`make variants`: scripts/prepare/quantize.py) within its parity thresholds, measured now from
+its folder's current weights through the current engine code, not read from the report the build wrote: max |Δ
+logits| for every variant (the fast suite), greedy agreement beside each variant's served test; and served by the
+session's shared tritonserver for that variant with no code change: the answer, the metrics' variant label, and for
+the variants that keep fp32's greedy tokens, the same answer as fp32."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from python_backend.model_files import MODEL_DIR_ENV, PARITY_REPORT_FILE, SETTINGS_FILE
+from python_backend.engine.core import open_kv_cache
+from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.model_files import ONNX_FILE, SETTINGS_FILE
+from python_backend.runtime.factory import cpu_decoder
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.server_metrics import read_metrics
-from scripts.launcher.triton_server import running_server
-from scripts.prepare.quantize import QUANT_CHOICES, variant_dir
-from scripts.prepare.variant_parity import THRESHOLDS, judge
-from tests.helpers import wait_for
+from scripts.prepare.quantize import QUANT_CHOICES
+from scripts.prepare.variant_parity import (DECODE_STEPS_CHECKED, LOGIT_PROMPTS, THRESHOLDS, agreement, engine_greedy,
+                                            load_reference_model, load_test_prompts, reference_greedy)
+from tests.helpers import variant_folder, wait_idle
 
 REQUEST = {"text_input": "What is the capital of France?", "max_tokens": 24, "apply_chat_template": True}
+# The build's parity check on all its logit prompts, and its greedy check on the first 12 of its 42 load-test prompts
+# (the shortest): a few seconds a variant. Fewer would not do for fast, identical on 10 of 42: 3 of these 12, 1 of 8.
+GREEDY_PROMPTS = slice(0, 12)
 
 
-def report_of(model_dir, variant: str) -> dict:
-    folder = variant_dir(model_dir, variant)
-    if not (folder / PARITY_REPORT_FILE).is_file():
-        pytest.fail(f"no {variant} variant at {folder}: run `make variants` (make test does)")
-    return json.loads((folder / PARITY_REPORT_FILE).read_text())
+@pytest.fixture(scope="module")
+def reference_model(settings):
+    return load_reference_model(settings["hf_dir"])
+
+
+@pytest.fixture(scope="module")
+def logit_reference(reference_model, tokenizer) -> tuple[list[list[int]], list[np.ndarray], list[np.ndarray]]:
+    """What the build's logit check compares with (scripts/prepare/variant_parity.py's max_logit_difference), computed
+    once for every variant and with PyTorch's KV cache: fp32 PyTorch's last-position logits for LOGIT_PROMPTS in one
+    left-padded batch, at the prefill and at each of DECODE_STEPS_CHECKED steps fed its own greedy tokens.
+    (prompts, the tokens fed at each step, the logits [rows, vocabulary] before each step and after the last)."""
+    import torch
+
+    prompts = [tokenizer.encode(p, apply_chat_template=True) for p in LOGIT_PROMPTS]
+    longest = max(len(p) for p in prompts)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    fed, logits = [], []
+    with torch.no_grad():
+        out = reference_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                              use_cache=True, logits_to_keep=1)
+        for _ in range(DECODE_STEPS_CHECKED):
+            logits.append(out.logits[:, -1].numpy())
+            fed.append(logits[-1].argmax(-1))
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
+            out = reference_model(input_ids=torch.from_numpy(fed[-1])[:, None], attention_mask=mask,
+                                  position_ids=mask.sum(1, keepdim=True) - 1, cache=out.cache, use_cache=True)
+        logits.append(out.logits[:, -1].numpy())
+    return prompts, fed, logits
+
+
+def max_difference_from_reference(decoder, prompts, fed, reference_logits) -> float:
+    """max |Δ logits| of the decoder's KV cache (the engine's) against the reference, fed the same tokens."""
+    config = SchedulerConfig(max_batch_size=len(prompts), kv_layout=getattr(decoder, "kv_layout", "padded"),
+                             max_context_length=max(len(p) for p in prompts) + len(fed) + 1)
+    cache = open_kv_cache(decoder, config)
+    logits, _, _ = cache.prefill(prompts, [len(p) + len(fed) + 1 for p in prompts])
+    differences = [np.abs(logits - reference_logits[0]).max()]
+    for tokens, reference in zip(fed, reference_logits[1:]):
+        differences.append(np.abs(cache.step(tokens) - reference).max())
+    return float(max(differences))
+
+
+@pytest.fixture(scope="module")
+def greedy_prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p, apply_chat_template=False) for p in load_test_prompts()]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model_dir, reference_model, greedy_prompts) -> list[list[int]]:
+    """fp32 PyTorch's greedy tokens for the load-test prompts (the export keeps them: computed only if missing)."""
+    return reference_greedy(model_dir, reference_model, greedy_prompts)
 
 
 @pytest.mark.parametrize("variant", QUANT_CHOICES)
-def test_parity_report_within_the_variants_thresholds(model_dir, variant):
-    report = report_of(model_dir, variant)
-    assert report["variant"] == variant
-    assert judge(variant, report)["passed"], (
-        f"{variant}: max |Δ logits| {report['max_abs_logit_diff']:.3g}, greedy identical "
-        f"{report['greedy_agreement']['identical_share']:.0%}; thresholds {THRESHOLDS[variant]}")
+def test_the_variants_current_logits_are_within_its_threshold(model_dir, variant, logit_reference):
+    """The variant's weights as they are now, through the engine's KV cache, against fp32 PyTorch: max |Δ logits| on
+    the build's logit prompts (prefill and decode steps), held to the build's threshold (a corrupted weight or a
+    decoding change fails it; the report on disk is not read). About a second a variant."""
+    decoder = cpu_decoder(variant_folder(model_dir, variant) / ONNX_FILE)
+    max_diff = max_difference_from_reference(decoder, *logit_reference)
+    assert max_diff <= THRESHOLDS[variant][0], f"{variant} now: max |Δ logits| {max_diff:.3g}; {THRESHOLDS[variant]}"
+
+
+def assert_greedy_agreement_now(model_dir, variant, greedy_prompts, greedy_reference):
+    """Greedy agreement of the variant's current weights through the engine's greedy loop, on GREEDY_PROMPTS, held to
+    the build's threshold (a few seconds a variant: beside the served test, out of the fast suite)."""
+    decoder = cpu_decoder(variant_folder(model_dir, variant) / ONNX_FILE)
+    answers = engine_greedy(decoder, greedy_prompts[GREEDY_PROMPTS])
+    share = agreement(answers, greedy_reference[GREEDY_PROMPTS])["identical_share"]
+    assert share >= THRESHOLDS[variant][1], (
+        f"{variant} now: greedy identical {share:.0%} on {len(answers)} load-test prompts; {THRESHOLDS[variant]}")
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +109,22 @@ def fp32_answer(server):
 
 @pytest.mark.server
 @pytest.mark.parametrize("variant", [q for q in QUANT_CHOICES if q != "fp32"])
-def test_each_variant_is_served_from_its_folder(model_dir, variant, fp32_answer, tmp_path):
-    report_of(model_dir, variant)
-    folder = variant_dir(model_dir, variant)
+def test_each_variant_keeps_its_greedy_agreement_and_is_served_from_its_folder(model_dir, variant, variant_server,
+                                                                              fp32_answer, greedy_prompts,
+                                                                              greedy_reference):
+    folder = variant_folder(model_dir, variant)
     assert json.loads((folder / SETTINGS_FILE).read_text())["quantization"] == variant
-    with running_server(log_path=tmp_path / "server.log", env={MODEL_DIR_ENV: str(folder)}) as ports:
-        answer = GenerateClient(f"127.0.0.1:{ports.http}").complete(REQUEST)
+    assert_greedy_agreement_now(model_dir, variant, greedy_prompts, greedy_reference)
+    ports = variant_server(variant)
 
-        # The engine counts a response's tokens after handing it to the server, so the counter can trail the answer.
-        def counted() -> float:
-            return read_metrics(f"127.0.0.1:{ports.metrics}", variant=variant).get("llm_output_tokens_total", 0)
+    def counted() -> float:
+        return read_metrics(f"127.0.0.1:{ports.metrics}", variant=variant).get("llm_output_tokens_total", 0)
 
-        wait_for(lambda: counted() >= answer.output_tokens, 300, message="the variant's token counter")
-        assert counted() == answer.output_tokens, "the model labelled with this variant generated the answer"
+    wait_idle(ports)  # the counters are complete once the engine is idle; other files' requests were counted before
+    before = counted()
+    answer = GenerateClient(f"127.0.0.1:{ports.http}").complete(REQUEST)
+    wait_idle(ports)
+    assert counted() - before == answer.output_tokens, "the model labelled with this variant generated the answer"
     assert answer.output_tokens > 0 and answer.text.strip()
     if THRESHOLDS[variant][1] >= 0.95:  # variants held to fp32's greedy tokens
         assert answer.text == fp32_answer.text and "Paris" in answer.text

@@ -4,15 +4,13 @@ the engine's own metrics show them under the strategy label of the model that se
 
 from __future__ import annotations
 
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.clients.llm_client import GrpcStreamClient
 from scripts.launcher.model_control import reload_llm
-from tests.helpers import BackgroundStream, long_request, metrics, reconfigured_llm, wait_for, wait_idle
+from tests.helpers import BackgroundStream, decode_steps_above, long_request, metrics, reconfigured_llm, wait_for, wait_idle
 
 pytestmark = pytest.mark.server
 WAIT_S = 300  # bounds a hung server only
@@ -52,16 +50,6 @@ def alone(explicit_server):
 def reload(server, strategy, **parameters):
     config = reload_llm(f"127.0.0.1:{server.http}", batching_strategy=strategy, **parameters)
     assert config["parameters"]["batching_strategy"]["string_value"] == strategy
-
-
-def decode_steps_above(server, strategy, rows: int) -> float:
-    """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    buckets = {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == "llm_batch_size_bucket"
-               and s.labels.get("model") == "llm" and s.labels.get("strategy") == strategy}
-    return buckets[float("inf")] - buckets[float(rows)]
 
 
 def test_static_batching_waits_for_its_batch_and_computes_finished_rows_to_the_end(explicit_server, alone):

@@ -98,19 +98,23 @@ def server_command(
 
 
 def wait_until_ready(process: subprocess.Popen, ports: Ports, timeout_s: float, address: str = "127.0.0.1") -> None:
-    url = f"http://{address}:{ports.http}/v2/health/ready"
+    """Until Triton says ready and its metrics port answers too (it opens a moment after the ready answer: a caller
+    whose first look is at the metrics would be refused)."""
+    urls = [f"http://{address}:{ports.http}/v2/health/ready", f"http://{address}:{ports.metrics}/metrics"]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
+            for url in urls:
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status != 200:
+                        raise OSError(f"{url}: HTTP {response.status}")
+            return
         except OSError:
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s ({url})")
+    raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s ({urls[0]}, {urls[1]})")
 
 
 @contextmanager
