@@ -1,10 +1,10 @@
 import ast
-import contextlib
 import functools
 import inspect
 import json
 import os
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,7 +68,7 @@ class ServerPool:
 
     def __init__(self, tmp_path_factory):
         self._tmp_path_factory = tmp_path_factory
-        self._stack = contextlib.ExitStack()
+        self._running: list = []  # the running_server context managers, to leave at the end
         self._servers: dict[tuple, object] = {}
 
     def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
@@ -80,12 +80,16 @@ class ServerPool:
         if key not in self._servers:
             log = self._tmp_path_factory.mktemp(f"triton-{Path(model_folder).name}") / "server.log"
             print(f"\nserver log: {log}")
-            self._servers[key] = self._stack.enter_context(running_server(
-                model_repository, log_path=log, explicit_models=all_models(model_repository), env=env))
+            running = running_server(model_repository, log_path=log, explicit_models=all_models(model_repository),
+                                     env=env)
+            self._servers[key] = running.__enter__()
+            self._running.append(running)
         return self._servers[key]
 
     def close(self) -> None:
-        self._stack.close()
+        """Stops every server at once: each takes seconds to shut its models down."""
+        with ThreadPoolExecutor(max(1, len(self._running))) as pool:
+            list(pool.map(lambda running: running.__exit__(None, None, None), self._running))
 
 
 @pytest.fixture(scope="session")
