@@ -71,10 +71,8 @@ class ServerPool:
         self._running: list = []  # the running_server context managers, to leave at the end
         self._servers: dict[tuple, object] = {}
 
-    def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
-            explicit_models=None):
-        """The Ports of the server with this configuration, started on first use (every one runs with explicit model
-        control: explicit_models is accepted and not needed)."""
+    def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None):
+        """The Ports of the server with this configuration, started on first use."""
         env = {MODEL_DIR_ENV: str(model_folder), **(env or {})}
         key = (str(model_repository), tuple(sorted(env.items())))
         if key not in self._servers:

@@ -65,12 +65,17 @@ def metrics(server, strategy: str = "continuous", model: str = "llm") -> dict[st
     return read_metrics(f"127.0.0.1:{server.metrics}", model=model, strategy=strategy)
 
 
-def decode_steps_above(server, strategy, rows: int) -> float:
-    """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
+def metric_samples(server) -> list:
+    """Every sample on the server's metrics port, histogram buckets and all labels included (prometheus_client's
+    Sample: name, labels, value)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
         text = response.read().decode()
-    buckets = {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == "llm_batch_size_bucket"
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def decode_steps_above(server, strategy, rows: int) -> float:
+    """Decode steps so far that had more than ``rows`` sequences (rows must be a bucket bound of llm_batch_size)."""
+    buckets = {float(s.labels["le"]): s.value for s in metric_samples(server) if s.name == "llm_batch_size_bucket"
                and s.labels.get("model") == "llm" and s.labels.get("strategy") == strategy}
     return buckets[float("inf")] - buckets[float(rows)]
 
@@ -107,6 +112,7 @@ def reconfigured_llm(server, **changes):
         yield reload_llm(f"127.0.0.1:{server.http}", **changes) if changes else before
     finally:
         client.load_model("llm", config=json.dumps(before))
+
 
 def long_request() -> dict:
     """A request for the ensemble that runs until cancelled (1000 tokens, EOS never met)."""

@@ -7,13 +7,11 @@ import http.client
 import json
 import shutil
 import threading
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from prometheus_client.parser import text_string_to_metric_families
 
 from python_backend.model_files import MODEL_DIR_ENV
 from scripts.clients.llm_client import (GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient, HttpClient,
@@ -21,8 +19,8 @@ from scripts.clients.llm_client import (GenerateClient, GenerateStreamClient, Gr
 from tritonclient.utils import InferenceServerException
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
-from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, long_request, metrics, wait_for,
-                           wait_idle)
+from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, long_request, metric_samples,
+                           metrics, wait_for, wait_idle)
 
 pytestmark = pytest.mark.server
 
@@ -124,14 +122,9 @@ def test_metrics_count_one_request_exactly_and_carry_model_and_strategy_labels(s
     assert after["llm_kv_cache_bytes"] == 0 and 0 <= after["llm_padding_waste_ratio"] < 1
     # Every llm_ sample on this server is labelled with its model and a strategy: the request above was counted
     # under continuous (the shared server may also hold the series of the strategies other files reloaded it with).
-    assert unlabelled_llm_samples(server) == [] and "llm_kv_cache_bytes" in after
-
-
-def unlabelled_llm_samples(server) -> list[str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return [sample.name for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name.startswith("llm_") and not {"model", "strategy"} <= set(sample.labels)]
+    unlabelled = [s.name for s in metric_samples(server)
+                  if s.name.startswith("llm_") and not {"model", "strategy"} <= set(s.labels)]
+    assert unlabelled == [] and "llm_kv_cache_bytes" in after
 
 
 @pytest.fixture(scope="module")
