@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -51,6 +51,17 @@ $(LINT_VENV)/.installed: requirements-lint.txt
 	$(PYTHON) -m venv $(LINT_VENV)
 	$(LINT_VENV)/bin/pip install --quiet -r requirements-lint.txt
 	touch $@
+
+# The client libraries (LangChain, instructor, LiteLLM) and aiperf, test-only, in a venv of their own
+# (requirements-clients.txt says why); make test installs them, tests/test_client_libraries.py skips without them.
+CLIENTS_VENV ?= .venv-clients
+$(CLIENTS_VENV)/.installed: requirements-clients.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet -r requirements-clients.txt
+	touch $@
+
+clients: $(CLIENTS_VENV)/.installed
 
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/checkov --quiet --compact --skip-download --framework dockerfile \
@@ -107,7 +118,7 @@ serve: model
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
-test: variants
+test: variants clients
 	@started=$$(date +%s); \
 	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status

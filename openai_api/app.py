@@ -42,6 +42,8 @@ log = logging.getLogger("openai_api")
 MAX_BODY_BYTES = 1 << 20  # the ensemble takes prompts of up to 64 KiB; this bounds the tokenization done here
 DISCONNECT_POLL_S = 0.2  # how often a request that has not answered yet looks whether its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Named in the 404 of a route that is not served (OpenAI's Responses API, say).
+SERVED_ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /v1/files and /v1/batches"
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,10 @@ def create_app(config: ServiceConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-        body = {"error": {"message": str(error.detail), "type": kind, "param": None, "code": None}}
+        message = str(error.detail)
+        if error.status_code == 404 and message == "Not Found":  # no such route: OpenAI's words, and what is served
+            message = f"Invalid URL ({request.method} {request.url.path}): this server serves {SERVED_ROUTES}"
+        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
         return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(Exception)

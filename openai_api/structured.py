@@ -2,9 +2,10 @@
 (``guided_decoding_guide_type`` and ``guided_decoding_guide``, TensorRT-LLM's names;
 docs/api.md#guided-decoding-structured-outputs).
 
-The schema is passed on as given: whether it is valid, and what it allows, is the server's grammar engine's to judge
-(an invalid one comes back as a 400 that names the problem). OpenAI's extra rules for ``strict`` schemas
-(additionalProperties false, every property required) are not enforced: the grammar follows whatever schema is sent."""
+The schema is passed on as given: whether it is valid is the server's grammar engine's to judge (an invalid one comes
+back as a 400 that names the problem). The engine reads every schema strictly, whatever ``strict`` says: an object
+that names its properties allows only those unless it says otherwise (python_backend/guided/strict_schema.py).
+OpenAI's other rule for ``strict`` schemas (every property required) is not enforced."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ is held back while it may still become calls (``CallStream``), so a stream says 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -23,6 +24,7 @@ from pydantic import Field
 from openai_api.errors import InvalidRequest
 from openai_api.structured import NAME_PATTERN, Guide, Strict
 from openai_api.triton_backend import Piece
+from python_backend.guided.strict_schema import strict_schema
 
 MAX_TOOLS = 128  # OpenAI's limit
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -37,7 +39,7 @@ class FunctionDefinition(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None  # accepted; a forced call's grammar enforces the parameters in any case
+    strict: bool | None = None  # accepted; a forced call's grammar enforces the parameters strictly in any case
 
     def signature(self) -> dict:
         shown = {"name": self.name, "description": self.description, "parameters": self.schema()}
@@ -98,12 +100,19 @@ class ToolUse:
         return Guide("lark", call_grammar(self.functions, self.parallel)) if self.forced else None
 
     def answer(self, piece: Piece) -> Piece:
-        """A whole answer: its calls if it is complete and nothing but calls, else the piece as it is (the text of a
-        call cut short by max_tokens included, as OpenAI returns it)."""
-        calls = parse_calls(piece.text, {f.name for f in self.functions}) if piece.finish_reason == "stop" else None
-        if not calls:
-            return piece
-        return replace(piece, tool_calls=calls if self.parallel else calls[:1], finish_reason="tool_calls")
+        """A whole answer: its calls if it is complete and nothing but calls; cut short by max_tokens inside its
+        calls, the calls as far as they got with finish_reason "length" (as OpenAI returns them: never the template's
+        <tool_call> text as content); else the piece as it is."""
+        names = {f.name for f in self.functions}
+        if piece.finish_reason == "stop":
+            calls = parse_calls(piece.text, names)
+            if calls:
+                return replace(piece, tool_calls=calls if self.parallel else calls[:1], finish_reason="tool_calls")
+        elif piece.finish_reason == "length":
+            calls = cut_calls(piece.text, names, self.forced)
+            if calls:
+                return replace(piece, tool_calls=calls if self.parallel else calls[:1])
+        return piece
 
 
 def check_tools(tools: list[Tool] | None, tool_choice) -> None:
@@ -183,11 +192,11 @@ def _object_or_text(arguments: str):
 
 def call_grammar(functions: list[FunctionDefinition], parallel: bool) -> str:
     """llguidance's Lark: a call (or several) of one of the functions, its arguments valid against the function's
-    parameters. Nothing between calls: after a call SmolLM2 prefers a newline to the end, and after a newline it goes
+    parameters, read strictly (python_backend/guided/strict_schema.py). Nothing between calls: after a call SmolLM2 prefers a newline to the end, and after a newline it goes
     on with the same call again, up to max_tokens; without the newline it ends."""
     # Each function's parameters get a base of their own, so that their "#/$defs/..." references resolve in them.
     calls = [{"type": "object",
-              "properties": {"name": {"const": f.name}, "arguments": {"$id": f"urn:tool:{f.name}", **f.schema()}},
+              "properties": {"name": {"const": f.name}, "arguments": {"$id": f"urn:tool:{f.name}", **strict_schema(f.schema())}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"x-guidance": JSON_STYLE, "anyOf": calls}
     start = "start: call+" if parallel else "start: call"
@@ -218,6 +227,43 @@ def parse_calls(text: str, names: set[str]) -> list[dict] | None:
                       "function": {"name": call["name"], "arguments": arguments}})
         at = _skip_space(text, at + len(CLOSE))
     return calls or None
+
+
+def cut_calls(text: str, names: set[str], forced: bool) -> list[dict] | None:
+    """OpenAI's tool_calls of an answer that max_tokens cut inside its calls: the whole calls before the cut, then
+    the cut call with as much of its name and arguments' text as was generated (not valid JSON). None when the
+    answer is not calls: it does not start with (a part of) <tool_call>, or, unless a call was forced (the grammar
+    then allowed nothing else), it names a function that does not exist."""
+    text = text.lstrip()
+    if not (text.startswith(OPEN) or (text and OPEN.startswith(text))):
+        return None
+    blocks = [block.strip() for block in text.split(OPEN)[1:]] or [""]
+    whole = [parse_calls(f"{OPEN}{block}", names) for block in blocks[:-1]]
+    if not all(whole):
+        return None
+    name, arguments = _cut_call(blocks[-1])
+    if not forced and not any(known.startswith(name) for known in names):
+        return None
+    cut = {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [call for calls in whole for call in calls] + [cut]
+
+
+CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?:(?P<named>")\s*,\s*"arguments"\s*:\s*)?')
+
+
+def _cut_call(block: str) -> tuple[str, str]:
+    """(name, arguments' text) of the JSON of a call cut short, `{"name": "f", "arguments": {"city": "Os`."""
+    head = CUT_CALL.match(block)
+    if head is None:
+        return "", ""
+    if not head.group("named"):
+        return head.group("name"), ""
+    name, rest = json.loads(f'"{head.group("name")}"'), block[head.end():]
+    try:  # the arguments were whole: the cut fell in the call's closing `}` or `</tool_call>`
+        arguments, _ = json.JSONDecoder().raw_decode(rest)
+        return name, json.dumps(arguments, ensure_ascii=False)
+    except ValueError:
+        return name, rest
 
 
 def _skip_space(text: str, at: int) -> int:

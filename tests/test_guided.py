@@ -14,7 +14,8 @@ from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
 from python_backend.guided import compiler as compiler_module
 from python_backend.guided.compiler import GuideCompiler
-from python_backend.guided.grammars import GuideSpec, guide_spec
+from python_backend.guided.grammars import GuideSpec, grammar_text, guide_spec
+from python_backend.guided.strict_schema import strict_schema
 
 VOCAB = 49152
 
@@ -61,6 +62,54 @@ def test_no_guide_is_none_and_json_needs_no_text():
 def test_an_invalid_guide_is_refused_by_the_compiler_naming_the_problem(compiler, guide_type, guide, message):
     with pytest.raises(InvalidRequestError, match=message):
         compiler.compile(GuideSpec(guide_type, guide))
+
+
+# --- json_schema guides are read strictly (XGrammar's strict_mode) ---
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"],
+                                                                                      "default": "c"}},
+               "required": ["city"]}
+
+
+def allows(compiler, schema, text: str) -> bool:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(compiler.tokenizer, grammar_text(GuideSpec("json_schema", json.dumps(schema))),
+                                   log_level=0)
+    return matcher.consume_tokens(compiler.tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+def test_an_object_that_names_its_properties_allows_only_them(compiler):
+    assert allows(compiler, CITY_SCHEMA, '{"city": "Oslo", "unit": "c"}') and allows(compiler, CITY_SCHEMA,
+                                                                                     '{"city": "Oslo"}')
+    assert not allows(compiler, CITY_SCHEMA, '{"city": "Oslo", "type": "string"}')
+    nested = {"type": "array", "items": CITY_SCHEMA}
+    assert not allows(compiler, nested, '[{"city": "Oslo", "x": 1}]') and allows(compiler, nested, '[{"city": "O"}]')
+
+
+@pytest.mark.parametrize("opening", [{"additionalProperties": True}, {"additionalProperties": {"type": "integer"}},
+                                     {"patternProperties": {"^x": {"type": "integer"}}}])
+def test_a_schema_that_says_what_else_it_takes_keeps_it(compiler, opening):
+    assert allows(compiler, {**CITY_SCHEMA, **opening}, '{"city": "Oslo", "x": 1}')
+
+
+def test_an_object_naming_no_properties_stays_any_object(compiler):
+    assert allows(compiler, {"type": "object"}, '{"anything": [1, 2]}')
+
+
+def test_strictness_reaches_every_subschema_but_the_branches_of_an_all_of():
+    closed = {**CITY_SCHEMA, "additionalProperties": False}
+    schema = {"$defs": {"C": CITY_SCHEMA}, "anyOf": [{"$ref": "#/$defs/C"}, {"type": "array", "items": CITY_SCHEMA}],
+              "properties": {"p": {"type": "object", "properties": {"q": {"prefixItems": [CITY_SCHEMA]}}}}}
+    assert strict_schema(schema) == {
+        "$defs": {"C": closed}, "anyOf": [{"$ref": "#/$defs/C"}, {"type": "array", "items": closed}],
+        "properties": {"p": {"type": "object", "properties": {"q": {"prefixItems": [closed]}},
+                             "additionalProperties": False}},
+        "additionalProperties": False}
+    merged = {"allOf": [CITY_SCHEMA, {"properties": {"zip": {"type": "string"}}}], "properties": {"x": {}}}
+    assert strict_schema(merged) == merged, "closing allOf's branches would refuse each other's properties"
+    assert strict_schema({"properties": {"enum": {"const": {"properties": {}}}}}) == {
+        "properties": {"enum": {"const": {"properties": {}}}}, "additionalProperties": False}, "values are not schemas"
 
 
 def test_compiled_guides_are_cached_by_their_text_and_the_cache_is_bounded(model_dir):

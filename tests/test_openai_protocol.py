@@ -440,6 +440,8 @@ def test_an_unknown_model_is_a_404(app_client):
     assert app_client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert [m["id"] for m in app_client.get("/v1/models").json()["data"]] == [MODEL]
     assert_openai_error(app_client.get("/v1/nothing"), 404)
+    unserved = assert_openai_error(app_client.post("/v1/responses", json={"model": MODEL, "input": "Hi"}), 404)
+    assert unserved["message"].startswith("Invalid URL (POST /v1/responses): this server serves /v1/chat/completions")
 
 
 def test_triton_unreachable_is_a_503_with_retry_after_and_not_ready(app_client):

@@ -24,6 +24,7 @@ from openai_api.tools import (
     FunctionDefinition,
     ToolUse,
     call_grammar,
+    cut_calls,
     generic_messages,
     may_become_calls,
     parse_calls,
@@ -328,6 +329,18 @@ def test_the_grammar_allows_only_calls_of_the_functions_with_valid_arguments(ll_
     assert not matches(ll_tokenizer, several, f"{weather}\n")
 
 
+def test_a_calls_arguments_take_only_the_properties_its_schema_names(ll_tokenizer):
+    """LangChain's schemas say nothing of additionalProperties: read strictly, a forced call cannot copy the schema's
+    own keys into its arguments (seen before: `"unit": "celsius", "properties": {"type": ...` up to max_tokens)."""
+    langchain = tool("get_weather", parameters={"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"], "default": "celsius"}},
+        "required": ["city"]})
+    one = call_grammar(functions(langchain), parallel=False)
+    assert matches(ll_tokenizer, one, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert not matches(ll_tokenizer, one, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", '
+                                          '"properties": {}}}</tool_call>')
+
+
 def test_a_bad_parameters_schema_fails_to_compile_naming_the_problem(ll_tokenizer):
     grammar = call_grammar(functions(tool("f", parameters={"type": "objekt"})), parallel=True)
     error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), ll_tokenizer)
@@ -367,7 +380,8 @@ def test_only_a_complete_answer_becomes_calls_and_parallel_false_keeps_the_first
     use = ToolUse(functions(WEATHER, TIME), forced=False, parallel=True)
     answer = use.answer(piece(two, "stop"))
     assert answer.finish_reason == "tool_calls" and len(answer.tool_calls) == 2 and answer.text == two
-    assert use.answer(piece(two, "length")) == piece(two, "length")
+    cut = use.answer(piece(two, "length"))
+    assert cut.finish_reason == "length" and [c["function"]["name"] for c in cut.tool_calls] == ["get_time"] * 2
     assert len(ToolUse(use.functions, forced=False, parallel=False).answer(piece(two, "stop")).tool_calls) == 1
     assert use.answer(piece("Hi", "stop")) == piece("Hi", "stop")
 
@@ -404,12 +418,31 @@ def test_calls_are_held_to_the_end_then_sent_whole():
         assert (out[2].input_tokens, out[2].output_tokens) == (5, 3)
 
 
-def test_a_forced_call_cut_short_comes_back_as_its_text():
-    stream = CallStream(ToolUse(functions(TIME), forced=True, parallel=True))
-    out = fed(stream, piece("<tool_call>"), piece('{"name": "get', "length"))
-    assert out == [None, Piece('<tool_call>{"name": "get', finish_reason="length", output_tokens=2)]
+def test_a_call_cut_short_comes_back_as_openai_returns_it_never_as_the_templates_text():
+    for forced in (True, False):
+        stream = CallStream(ToolUse(functions(TIME, WEATHER), forced=forced, parallel=True))
+        out = fed(stream, piece("<tool_call>"), piece('{"name": "get_weather", "arguments": {"city": "Os', "length"))
+        assert out[0] is None and out[1].finish_reason == "length" and out[1].output_tokens == 2
+        assert [c["function"] for c in out[1].tool_calls] == [{"name": "get_weather", "arguments": '{"city": "Os'}]
     stream = CallStream(ToolUse(functions(TIME), forced=True, parallel=True))
     assert fed(stream, piece("Hello"), piece("!", "stop"))[1].text == "Hello!"
+
+
+@pytest.mark.parametrize(("text", "forced", "calls"), [
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Os', False, [("get_weather", '{"city": "Os')]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_', False,
+     [("get_weather", '{"city": "Oslo"}')]),
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", "argu', False,
+     [("get_time", "{}"), ("get_weather", "")]),
+    ('<tool_call>{"name": "get_wea', False, [("get_wea", "")]),
+    (" <tool_ca", True, [("", "")]),
+    ('<tool_call>{"name": "unknown", "arguments": {"x', True, [("unknown", '{"x')]),
+    ('<tool_call>{"name": "unknown", "arguments": {"x', False, None),
+    ("Hello", False, None), ("Hello <tool_call>", True, None), ("", True, None),
+    ('<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "get_time"', False, None)])
+def test_the_calls_of_a_cut_answer_are_what_was_generated(text, forced, calls):
+    found = cut_calls(text, NAMES, forced)
+    assert (None if found is None else [(c["function"]["name"], c["function"]["arguments"]) for c in found]) == calls
 
 
 class StandIn:
@@ -492,7 +525,18 @@ def test_a_streamed_call_reassembles_to_the_whole_answer_in_openais_chunks():
     assert set(deltas[2]["tool_calls"][0]) == {"index", "id", "type", "function"} and deltas[-1] == {}
 
 
-@pytest.mark.parametrize("texts", [["Hello", " there", "!"], [" <to", "ols> are", " fun"], ["<tool_call>", "{"]])
+def test_a_streamed_cut_call_reassembles_to_the_whole_answers_calls():
+    use = ToolUse(functions(WEATHER, TIME), forced=True, parallel=True)
+    pieces = [piece("<tool_call>", input_tokens=4), piece('{"name": "get_weather", "arguments": {"ci', "length")]
+    whole, chunks = answers(pieces, use)
+    answer, streamed = whole["choices"][0], reassembled(chunks)
+    assert answer["finish_reason"] == streamed["finish_reason"] == "length"
+    assert answer["message"]["content"] is None and streamed["message"]["content"] is None
+    assert [c["function"] for c in answer["message"]["tool_calls"]] == [{"name": "get_weather", "arguments": '{"ci'}]
+    assert without_ids(streamed["message"]["tool_calls"]) == without_ids(answer["message"]["tool_calls"])
+
+
+@pytest.mark.parametrize("texts", [["Hello", " there", "!"], [" <to", "ols> are", " fun"], ["Hi <tool_call>", "{"]])
 def test_a_streamed_text_reassembles_to_the_whole_answer(texts):
     use = ToolUse(functions(TIME), forced=False, parallel=True)
     pieces = [piece(t, input_tokens=3 if i == 0 else None) for i, t in enumerate(texts)]

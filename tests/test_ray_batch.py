@@ -200,16 +200,31 @@ def test_a_bad_line_lands_in_the_error_shards(two_server_run):
     assert any("url must be one of" in e["error"]["message"] for e in errors)
 
 
-def run_in_background(argv: list[str]) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(code=ray_batch.main(argv)), daemon=True)
-    thread.start()
-    return thread, result
+@pytest.fixture
+def run_in_background(local_ray):
+    """Starts ray_batch.main(argv) on a thread: (the thread, a dict that gets its exit code). A job a failed test
+    left running is waited for before the test ends: left to outlive the module's Ray instance, it would start one
+    of its own, and that instance's end takes the whole pytest process down with it (seen in CI: exit 1 with no
+    report)."""
+    threads = []
+
+    def start(argv: list[str]) -> tuple[threading.Thread, dict]:
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(code=ray_batch.main(argv)), daemon=True)
+        thread.start()
+        threads.append(thread)
+        return thread, result
+
+    yield start
+    for thread in threads:
+        thread.join(RECOVERY_TIMEOUT_S)
+        assert not thread.is_alive(), "a batch job still runs after its test"
 
 
 @pytest.mark.server
 @pytest.mark.ray
-def test_a_server_killed_mid_job_costs_retries_not_lines(fronts, supervised, model, reference, local_ray, tmp_path):
+def test_a_server_killed_mid_job_costs_retries_not_lines(fronts, supervised, model, reference, run_in_background,
+                                                         tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
     before, refused = served(supervised.front), served(supervised.front, "5..")
     victim = supervised.tritonserver()
@@ -262,7 +277,8 @@ def stopped(process: psutil.Process):
 
 @pytest.mark.server
 @pytest.mark.ray
-def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, reference, local_ray, tmp_path):
+def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, reference, run_in_background,
+                                                       tmp_path):
     """The session's tritonserver is stopped while the job starts, so the map actor that sends to it holds its lines
     in flight, unanswered, whatever the machine's speed; that actor is killed. Its front sees those requests cut off
     (499); Ray restarts the actor, which connects to the same server again (the assigner gives it back) and sends

@@ -11,8 +11,9 @@ import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from python_backend.errors import InvalidRequestError
+from python_backend.guided.strict_schema import strict_schema
 
-# json: any JSON value (guide ignored); json_schema: a JSON schema; regex: the whole output matches it;
+# json: any JSON value (guide ignored); json_schema: a JSON schema, read strictly (strict_schema.py); regex: the whole output matches it;
 # ebnf_grammar: a GBNF grammar (llama.cpp's and XGrammar's syntax, start rule `root`); lark: an extension,
 # llguidance's Lark dialect, which can embed a schema (`%json {...}`), as the OpenAI front's tool calls do.
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "lark")
@@ -64,7 +65,7 @@ def grammar_text(spec: GuideSpec) -> str:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("guided_decoding_guide must be a JSON schema: an object (or true/false), "
                                       f"got {type(schema).__name__}")
-        return _from_schema(schema)
+        return _from_schema(strict_schema(schema))
     if spec.type == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if spec.type == "ebnf_grammar":
