@@ -203,9 +203,9 @@ def test_a_bad_line_lands_in_the_error_shards(two_server_run):
 @pytest.fixture
 def run_in_background(local_ray):
     """Starts ray_batch.main(argv) on a thread: (the thread, a dict that gets its exit code). A job a failed test
-    left running is waited for before the test ends: left to outlive the module's Ray instance, it would start one
-    of its own, and that instance's end takes the whole pytest process down with it (seen in CI: exit 1 with no
-    report)."""
+    left running is waited for before the test ends: left to outlive the module's Ray instance, it starts one of its
+    own (ray_batch.main does when none runs), in a process that Ray may end as it goes (the likely cause of a CI run
+    that stopped with exit 1 and no report, right after this file's worker test failed)."""
     threads = []
 
     def start(argv: list[str]) -> tuple[threading.Thread, dict]:
@@ -287,6 +287,9 @@ def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, re
     (tmp_path / "in.jsonl").write_text("\n".join(batch_lines(model)) + "\n")
     cut_off, earlier = served(front, "499"), {worker.pid for worker in map_workers()}
 
+    def new_workers(excluded: set[int]) -> set[int]:
+        return {worker.pid for worker in map_workers()} - excluded
+
     def sending(excluded: set[int], to_ports: list[int]) -> list[psutil.Process]:
         """The map actors, but these, that hold a connection to one of these fronts."""
         return [w for w in map_workers() if w.pid not in excluded and any(connected(w, p) for p in to_ports)]
@@ -294,8 +297,10 @@ def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, re
     with stopped(tritonserver_of(server)):
         thread, result = run_in_background(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
                                             "--servers", ",".join(fronts)])
-        wait_for(lambda: sending(earlier, ports[:1]) or not thread.is_alive(), RECOVERY_TIMEOUT_S, 0.05,
-                 "no map actor sent to the stopped server")
+        # The whole pool first (one actor per server): an actor that started after the kill would pass for the
+        # restarted one (seen: the other server's actor, started late on a loaded machine).
+        wait_for(lambda: (sending(earlier, ports[:1]) and len(new_workers(earlier)) == len(fronts))
+                 or not thread.is_alive(), RECOVERY_TIMEOUT_S, 0.05, "no map actor sent to the stopped server")
         assert thread.is_alive(), "the job ended before the kill"
         [victim] = sending(earlier, ports[:1])  # one actor per server
         before_the_kill = earlier | {worker.pid for worker in map_workers()}

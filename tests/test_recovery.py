@@ -1,5 +1,5 @@
-"""Fault injection on a running, supervised server (`make serve`'s command): a model process is killed with
-SIGKILL (as the kernel's OOM killer would) while requests are in flight."""
+"""Fault injection on a running, supervised server (`make serve`'s command, with its OpenAI API): a model process,
+or the OpenAI API's, is killed with SIGKILL (as the kernel's OOM killer would) while requests are in flight."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from openai_api.batch.config import DATA_DIR_ENV
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.heartbeat import process_alive
 from scripts.clients.llm_client import GrpcClient, GrpcStreamClient, RequestError
@@ -31,8 +32,8 @@ PROMPT = {"apply_chat_template": True, "text_input": "What is the capital of Fra
 
 
 class Supervised:
-    def __init__(self, ports: Ports, health_port: int):
-        self.ports, self.health_port = ports, health_port
+    def __init__(self, ports: Ports, health_port: int, api_port: int):
+        self.ports, self.health_port, self.api_port = ports, health_port, api_port
 
     def health(self) -> tuple[int | None, dict]:
         try:
@@ -60,13 +61,16 @@ class Supervised:
 
 @pytest.fixture(scope="module")
 def supervised(model_dir, tmp_path_factory):
-    ports, health_port = Ports.free(), Ports.free().http
-    log = open(tmp_path_factory.mktemp("supervised") / "server.log", "w")
+    ports, health_port, api_port = Ports.free(), Ports.free().http, Ports.free().http
+    folder = tmp_path_factory.mktemp("supervised")
+    log = open(folder / "server.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "scripts.launcher.triton_server", "--no-openai", "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-         "--metrics-port", str(ports.metrics), "--health-port", str(health_port)],
-        env={**server_environment(), MODEL_DIR_ENV: str(model_dir)}, stdout=log, stderr=subprocess.STDOUT)
-    server = Supervised(ports, health_port)
+        [sys.executable, "-m", "scripts.launcher.triton_server", "--http-port", str(ports.http), "--grpc-port",
+         str(ports.grpc), "--metrics-port", str(ports.metrics), "--health-port", str(health_port), "--openai-port",
+         str(api_port)],
+        env={**server_environment(), MODEL_DIR_ENV: str(model_dir), DATA_DIR_ENV: str(folder / "batches")},
+        stdout=log, stderr=subprocess.STDOUT)
+    server = Supervised(ports, health_port, api_port)
     try:
         server.wait_ready(300)
         yield server
@@ -104,13 +108,19 @@ def start_streams(server: Supervised, count: int):
     return threads, outcomes
 
 
-def watch_readiness(server: Supervised, until_pid_gone: int, timeout_s: float) -> tuple[list, dict]:
-    """Polls /health/ready until it is 200 again without the killed pid; returns the statuses seen and the JSON."""
+def instance_pids(body: dict) -> set[int]:
+    return {i["pid"] for i in body["instances"].values()}
+
+
+def watch_readiness(server: Supervised, until_pid_gone: int, timeout_s: float, pid_of=instance_pids
+                    ) -> tuple[list, dict]:
+    """Polls /health/ready until it is 200 again without the killed pid (among pid_of(the JSON): the model
+    processes'); returns the statuses seen and the JSON."""
     seen, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status, body = server.health()
         seen.append(status)
-        if status == 200 and until_pid_gone not in {i["pid"] for i in body["instances"].values()}:
+        if status == 200 and until_pid_gone not in pid_of(body):
             return seen, body
         time.sleep(0.05)
     raise AssertionError(f"not ready again within {timeout_s} s: {server.health()}")
@@ -194,3 +204,42 @@ def test_the_supervisor_reports_readiness_and_recoveries_as_prometheus_metrics(s
                    for s in family.samples}
     assert samples["triton_llm_ready"] == 1 and samples["triton_llm_recovering"] == 0
     assert samples["triton_llm_recoveries_total"] == len(health["recoveries"])
+
+
+def test_a_killed_openai_api_is_started_again_and_its_batch_resumes(supervised):
+    """`make serve`'s supervisor keeps the OpenAI API as it keeps the models: after a kill -9 with a batch running,
+    readiness turns false, the API is started again, and the batch goes on to its end with every line once. Each
+    line runs exactly 32 tokens (the end tokens banned), 30 at a time (the Batch API's default): once one is done,
+    34 lines are at least 32 engine steps away on any machine."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{supervised.api_port}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": model, "messages": [{"role": "user", "content": f"Write about the number {i}."}], "temperature": 0,
+        "max_tokens": 32, "logit_bias": {"0": -100, "2": -100}}} for i in range(64)]
+    upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while (batch := client.batches.retrieve(batch.id)).request_counts.completed < 1 and batch.status in (
+            "validating", "in_progress"):
+        assert time.monotonic() < deadline, f"no line done after {RECOVERY_TIMEOUT_S} s"
+        time.sleep(0.05)
+    assert batch.status == "in_progress", "the batch ended before the kill"
+    _, health = supervised.health()
+    killed = health["api_pid"]
+    os.kill(killed, signal.SIGKILL)
+    seen, health = watch_readiness(supervised, until_pid_gone=killed, timeout_s=RECOVERY_TIMEOUT_S,
+                                   pid_of=lambda body: {body["api_pid"]})
+    assert 503 in seen, "readiness turned not-ready while the OpenAI API was dead"
+    assert health["recoveries"][-1]["action"] == "restart the OpenAI API" and health["recoveries"][-1]["ok"]
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while (batch := client.batches.retrieve(batch.id)).status in ("validating", "in_progress", "finalizing"):
+        assert time.monotonic() < deadline, f"the batch is still {batch.status} after {RECOVERY_TIMEOUT_S} s"
+        time.sleep(0.1)
+    assert batch.status == "completed" and batch.request_counts.completed == len(lines)
+    outputs = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(x["custom_id"] for x in lines)
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 32 for o in outputs)
+    print(f"OpenAI API killed: ready again after {health['recoveries'][-1]['took_s']} s")

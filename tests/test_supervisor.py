@@ -62,6 +62,43 @@ def test_the_python_models_of_the_repository_are_watched():
     assert python_models(MODEL_REPOSITORY) == ["ensemble", "ensemble_unary", "llm"]
 
 
+def stand_in_api(tmp_path, port: int, started: list):
+    """Starts a process that answers 200 to any GET on the port, as the OpenAI API's /health/live does."""
+    path = tmp_path / "api.py"
+    path.write_text("import http.server, sys\n"
+                    "class H(http.server.BaseHTTPRequestHandler):\n"
+                    "    def do_GET(self):\n"
+                    "        self.send_response(200); self.end_headers()\n"
+                    f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+
+    def start():
+        started.append(subprocess.Popen([sys.executable, str(path)]))
+        return started[-1]
+
+    return start
+
+
+def test_a_dead_openai_api_is_started_again_and_counted_as_a_recovery(tmp_path):
+    servers, apis, port = [], [], Ports.free().http
+    supervisor = Supervisor(stand_in(servers), "127.0.0.1:9", ["llm"], start_api=stand_in_api(tmp_path, port, apis),
+                            api_url=f"127.0.0.1:{port}")
+    supervisor.process, supervisor.api = stand_in(servers)(), stand_in_api(tmp_path, port, apis)()
+    try:
+        deadline = time.monotonic() + 60
+        while not supervisor.api_answers():
+            assert time.monotonic() < deadline, "the stand-in API did not answer"
+            time.sleep(0.05)
+        apis[0].kill()
+        apis[0].wait()
+        assert not supervisor.api_answers() and not supervisor.health()["api_ready"]
+        supervisor.check()
+        assert [(r.action, r.ok) for r in supervisor.recoveries] == [("restart the OpenAI API", True)]
+        assert len(apis) == 2 and supervisor.health()["api_pid"] == apis[1].pid and supervisor.api_answers()
+    finally:
+        supervisor.stop()
+    assert all(p.poll() is not None for p in servers + apis), "stop() stops the API with the server"
+
+
 # --- the OpenAI-compatible API that `make serve` runs beside the server, with a stand-in tritonserver ---
 
 def stand_in_tritonserver(tmp_path) -> str:

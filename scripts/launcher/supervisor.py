@@ -9,10 +9,12 @@ the models write (python_backend/serving/heartbeat.py) every ``check_interval_s`
   process gone);
 - a front model's process died, the llm reload failed, or tritonserver exited: restart tritonserver (measured: the
   requests in flight through a dead front process never end, and reloading it does not end them; a restart closes
-  their connections; the stopped server's leftover stub processes and shared memory are removed).
+  their connections; the stopped server's leftover stub processes and shared memory are removed);
+- the OpenAI-compatible API's process (when the supervisor keeps one, as `make serve` does) exited: start it again
+  (its Batch API resumes the batches it was running from its store).
 
-``GET /health/ready`` on ``health_port`` answers 200 only while tritonserver is ready and every model process is
-alive and making progress, else 503; ``GET /health/live`` answers 200 while the supervisor runs; both return JSON
+``GET /health/ready`` on ``health_port`` answers 200 only while tritonserver is ready, every model process is
+alive and making progress, and the OpenAI API (when kept) answers, else 503; ``GET /health/live`` answers 200 while the supervisor runs; both return JSON
 with each instance's state and the recoveries so far."""
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from python_backend.serving.heartbeat import STALE_S, STALL_S, InstanceHealth, process_alive, read_health, runtime_dir
 from scripts.launcher.model_control import reload_llm
-from scripts.launcher.processes import stop
+from scripts.launcher.processes import stop, terminate
 
+API_STOP_S = 10  # SIGTERM, then SIGKILL: uvicorn gives open streams a few seconds
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 
 
 @dataclass
 class Recovery:
     reason: str
-    action: str  # "reload llm" or "restart tritonserver"
+    action: str  # "reload llm", "restart tritonserver" or "restart the OpenAI API"
     started: float
     took_s: float | None = None
     ok: bool | None = None
@@ -67,9 +70,12 @@ class Supervisor:
     restart_grace_s: float = 3.0  # SIGTERM, then SIGKILL after this long
     log: Callable[[str], None] = lambda line: print(f"[supervisor] {line}", flush=True)
     recoveries: list[Recovery] = field(default_factory=list)
+    start_api: Callable[[], subprocess.Popen] | None = None  # the OpenAI-compatible API, kept running beside it
+    api_url: str | None = None  # host:port of that API (its /health/live says it answers)
 
     def __post_init__(self):
         self.process: subprocess.Popen | None = None
+        self.api: subprocess.Popen | None = None
         self._stopping = threading.Event()
         self._recovering = False
         self._lock = threading.Lock()
@@ -94,16 +100,30 @@ class Supervisor:
         except OSError:
             return False
 
+    def api_answers(self) -> bool:
+        """Whether the kept OpenAI API's process runs and answers (True when none is kept)."""
+        if self.start_api is None:
+            return True
+        if self.api is None or self.api.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.api_url}/health/live", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
     def health(self) -> dict:
         instances = self.instances()
         missing = [m for m in self.models if not any(_model_of(h.instance) == m for h in instances)]
-        server_ready = self.server_ready()
-        ready = server_ready and not self._recovering and not missing and all(h.ok for h in instances)
+        server_ready, api_ready = self.server_ready(), self.api_answers()
+        ready = server_ready and api_ready and not self._recovering and not missing and all(h.ok for h in instances)
         return {
             "ready": ready,
             "server_ready": server_ready,
+            "api_ready": api_ready,
             "recovering": self._recovering,
             "server_pid": self.process.pid if self.process else None,
+            "api_pid": self.api.pid if self.api else None,
             "instances": {h.instance: {"pid": h.pid, "state": h.state, "reason": h.reason} for h in instances},
             "missing_models": missing,
             "recoveries": [asdict(r) for r in self.recoveries],
@@ -115,12 +135,16 @@ class Supervisor:
         with self._lock:  # a stop() that comes meanwhile waits for the process to exist, then stops it
             if self._stopping.is_set():
                 return
+            if self.start_api is not None:
+                self.api = self.start_api()  # it waits for no server: it starts while tritonserver loads
             self.process = self.start_server()
         self._wait_ready(self.ready_timeout_s)
 
     def stop(self) -> int:
         self._stopping.set()
         with self._lock:
+            if self.api is not None and self.api.poll() is None:
+                terminate(self.api, API_STOP_S)
             return _stop_process(self.process) if self.process else 0
 
     def check(self) -> None:
@@ -129,16 +153,21 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             if self.process.poll() is not None:
-                self._recover(f"tritonserver exited with code {self.process.returncode}", self._restart)
+                self._recover(f"tritonserver exited with code {self.process.returncode}", "restart tritonserver",
+                              self._restart)
+                return
+            if self.api is not None and self.api.poll() is not None:
+                self._recover(f"the OpenAI API exited with code {self.api.returncode}", "restart the OpenAI API",
+                              self._restart_api, restart_if_it_fails=False)
                 return
             bad = [h for h in self.instances() if not h.ok]
             if not bad:
                 return
             reason = "; ".join(f"{h.instance} {h.state}: {h.reason}" for h in bad)
             if all(_model_of(h.instance) == RELOADABLE for h in bad):
-                self._recover(reason, self._reload_llm)
+                self._recover(reason, "reload llm", self._reload_llm)
             else:
-                self._recover(reason, self._restart)
+                self._recover(reason, "restart tritonserver", self._restart)
 
     def run(self) -> None:
         while not self._stopping.wait(self.check_interval_s):
@@ -147,8 +176,8 @@ class Supervisor:
             except Exception as error:  # noqa: BLE001 - the supervisor must outlive one failed check
                 self.log(f"check failed: {type(error).__name__}: {error}")
 
-    def _recover(self, reason: str, action: Callable[[], None]) -> None:
-        name = "reload llm" if action == self._reload_llm else "restart tritonserver"
+    def _recover(self, reason: str, name: str, action: Callable[[], None], restart_if_it_fails: bool = True) -> None:
+        """action; when it fails, a tritonserver restart, or nothing (the next look tries again)."""
         recovery = Recovery(reason, name, time.time())
         self.recoveries.append(recovery)
         self._recovering = True
@@ -157,6 +186,10 @@ class Supervisor:
             action()
             recovery.ok = True
         except Exception as error:  # noqa: BLE001
+            if not restart_if_it_fails:
+                self.log(f"{name} failed ({type(error).__name__}: {error})")
+                recovery.ok = False
+                return
             self.log(f"{name} failed ({type(error).__name__}: {error}); restarting tritonserver")
             recovery.action = f"{name}, then restart tritonserver"
             self._restart()
@@ -183,6 +216,16 @@ class Supervisor:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"llm was not serving again within {self.recovery_timeout_s:.0f} s")
+
+    def _restart_api(self) -> None:
+        self.api = self.start_api()
+        deadline = time.monotonic() + self.recovery_timeout_s
+        while not self.api_answers():
+            if self.api.poll() is not None:
+                raise RuntimeError(f"the OpenAI API exited with code {self.api.returncode} as it started")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the OpenAI API did not answer within {self.recovery_timeout_s:.0f} s")
+            time.sleep(0.1)
 
     def _restart(self) -> None:
         if self.process is not None:

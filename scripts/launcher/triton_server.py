@@ -7,7 +7,7 @@ supervises the server (scripts/launcher/supervisor.py): readiness that sees dead
 recovery without a person; `--no-supervise` runs tritonserver alone. `--tritonserver PATH` runs another build
 (NVIDIA's container) with its own backends and environment. Beside the server it runs the OpenAI-compatible API
 (scripts/launcher/openai_server.py) on `--openai-port` (9000), pointed at the server's gRPC port and, when supervised, at the
-supervisor's readiness; `--no-openai` leaves it out. It stops with the server.
+supervisor's readiness, which starts it again if it dies; `--no-openai` leaves it out. It stops with the server.
 """
 
 from __future__ import annotations
@@ -178,16 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k != KEYS_ENV} if args.tritonserver else server_environment()
     print(f"tritonserver: HTTP {args.address}:{ports.http}  gRPC {ports.grpc}  metrics {ports.metrics}", flush=True)
     keys = ",".join(args.api_key + list(parse_keys(os.environ.get(KEYS_ENV))))
-    api = None if args.no_openai else subprocess.Popen(openai_command(args), cwd=PROJECT_ROOT,
-                                                       env={**os.environ, KEYS_ENV: keys})
+    start_api = None if args.no_openai else lambda: subprocess.Popen(openai_command(args), cwd=PROJECT_ROOT,
+                                                                      env={**os.environ, KEYS_ENV: keys})
+    if not args.no_supervise:
+        return _supervise(args, ports, env, start_api)  # it keeps the OpenAI API running too
+    api = start_api() if start_api else None
     try:
-        if args.no_supervise:
-            command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
-                                     binary=args.tritonserver)
-            process = subprocess.Popen(command, env=env)
-            _on_stop_signal(lambda: process.send_signal(signal.SIGTERM))
-            return process.wait()
-        return _supervise(args, ports, env)
+        command = server_command(args.model_repository, ports, address=args.address, extra_args=args.extra,
+                                 binary=args.tritonserver)
+        process = subprocess.Popen(command, env=env)
+        _on_stop_signal(lambda: process.send_signal(signal.SIGTERM))
+        return process.wait()
     finally:
         if api is not None:
             stop_openai(api)
@@ -214,13 +215,14 @@ def _local_address(address: str) -> str:
     return "127.0.0.1" if address in ("0.0.0.0", "::") else address
 
 
-def _supervise(args, ports: Ports, env: dict[str, str]) -> int:
+def _supervise(args, ports: Ports, env: dict[str, str], start_api) -> int:
     models = all_models(args.model_repository)
     command = server_command(args.model_repository, ports, address=args.address, explicit_models=models,
                              extra_args=args.extra, binary=args.tritonserver)
     local = _local_address(args.address)
     supervisor = Supervisor(lambda: subprocess.Popen(command, env=env), f"{local}:{ports.http}",
-                            python_models(args.model_repository))
+                            python_models(args.model_repository), start_api=start_api,
+                            api_url=f"{local}:{args.openai_port}")
     stopped = threading.Event()
     _on_stop_signal(stopped.set)
     health = serve_health(supervisor, args.address, args.health_port)
