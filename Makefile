@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv clients lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -151,6 +151,11 @@ benchmark-batch: variants
 # server, through Ray on that server and through Ray on two servers on this machine (~7 min).
 benchmark-ray: variants
 	$(PY) -m scripts.bench.ray_benchmark --model-dir $(MODEL_DIR)
+
+# aiperf (NVIDIA's, from the client libraries' venv) against the OpenAI API, streaming chat at concurrency 1, 8, 32,
+# beside Locust's ChatStreamUser on the same server (QUANT's folder); exports under build/aiperf/ (~6 min).
+benchmark-aiperf: variants clients
+	$(PY) -m scripts.bench.aiperf_benchmark --model-dir $(MODEL_DIR) $(AIPERF_ARGS)
 
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only

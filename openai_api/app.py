@@ -181,16 +181,22 @@ def create_app(config: ServiceConfig) -> FastAPI:
     async def completion_choices(raw: bytes, owner: str) -> tuple[list[Choice], CompletionFormat, bool]:
         body: CompletionRequest = parse_request(CompletionRequest, raw, service.vocab_size)
         service.check_model(body.model)
-        budgets = [await service.budget(prompt, "prompt", body.completion_max_tokens) for prompt in body.prompt]
+        param = "prompt" if len(body.prompt) == 1 else "prompt[{}]"
+        budgets = [await service.budget(prompt, param.format(p), body.completion_max_tokens)
+                   for p, prompt in enumerate(body.prompt)]
         shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
                       top_log_probs=body.logprobs or 0, **body.sampling(),
                       cache_salt=tenant_salt(owner, body.cache_salt))
         n = body.choices_per_prompt
+        # A token-id prompt is sent as its ids; its text (special tokens kept) is what echo puts in front.
+        texts = [p if isinstance(p, str) else service.tokenizer.tokenizer.decode(p, skip_special_tokens=False)
+                 for p in body.prompt]
         choices = [
             Choice(p * n + j, p, service.backend.generate(
-                EnsembleRequest(prompt, max_tokens, seed=body.seed_of(j), **shared)),
+                EnsembleRequest(text, max_tokens, seed=body.seed_of(j),
+                                prompt_ids=None if isinstance(prompt, str) else prompt, **shared)),
                 CompletionLogprobs(service.texts) if body.logprobs is not None else None)
-            for p, (prompt, max_tokens) in enumerate(zip(body.prompt, budgets)) for j in range(n)
+            for p, (prompt, text, max_tokens) in enumerate(zip(body.prompt, texts, budgets)) for j in range(n)
         ]
         return choices, CompletionFormat(service.model, body.include_usage), bool(body.stream)
 

@@ -131,7 +131,8 @@ class _SamplingRequest(Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: list[str]
+    # Every form OpenAI takes: a string, a list of strings, a list of token ids, a list of lists of token ids.
+    prompt: list[str] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
@@ -139,19 +140,28 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, value):
-        if isinstance(value, str):
+        """One prompt or several, as a list of prompts (a list of ints is one prompt of token ids)."""
+        if isinstance(value, str) or (isinstance(value, list) and value and all(
+                isinstance(p, int) and not isinstance(p, bool) for p in value)):
             value = [value]
-        if isinstance(value, list) and any(isinstance(p, (int, list)) for p in value):
-            raise ValueError("token-id prompts are not supported; send the prompt as text")
         if isinstance(value, list) and not value:
             raise ValueError("at least one prompt is needed")
+        if isinstance(value, list) and len({isinstance(p, str) for p in value}) > 1:
+            raise ValueError("the prompts must be all text or all token ids, not both")
         return value
 
     @field_validator("prompt")
     @classmethod
-    def _no_empty_prompt(cls, value: list[str]):
-        if any(not p for p in value):
-            raise ValueError("a prompt must not be empty")
+    def _no_empty_prompt(cls, value: list, info: ValidationInfo):
+        vocab_size = (info.context or {}).get("vocab_size")
+        for i, prompt in enumerate(value):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty" if len(value) > 1 else "a prompt must not be empty")
+            if isinstance(prompt, list) and vocab_size is not None:
+                outside = [t for t in prompt if not 0 <= t < vocab_size]
+                if outside:
+                    raise ValueError(f"prompt {i} holds token id {outside[0]}, which is not in this model's "
+                                     f"vocabulary (0..{vocab_size - 1})")
         return value
 
     def _check(self) -> None:

@@ -102,6 +102,40 @@ def test_a_list_of_prompts_gives_a_choice_each_and_echo_starts_with_the_prompt(c
     assert echoed.choices[0].text == PROMPT + alone[0].choices[0].text
 
 
+def test_token_id_prompts_equal_transformers_and_come_back_prompt_major_then_n(client, model, raw_reference,
+                                                                                 tokenizer):
+    """lm-eval's form: token ids, several prompts in one request; the choices in OpenAI's order (prompt 0's n
+    choices, then prompt 1's), usage over all of them; echo puts each prompt's own text in front."""
+    prompt_ids, new_ids = raw_reference
+    other = tokenizer.encode("2 + 2 =", apply_chat_template=False)
+    one = client.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert one.choices[0].text == tokenizer.decode(new_ids) and one.usage.prompt_tokens == len(prompt_ids)
+    # Ids that tokenizing their text would not give back are served as sent, not tokenized again.
+    split = tokenizer.encode("T", apply_chat_template=False) + tokenizer.encode(PROMPT[1:], apply_chat_template=False)
+    assert tokenizer.encode(tokenizer.decode(split), apply_chat_template=False) != split
+    assert client.completions.create(model=model, prompt=split, max_tokens=1).usage.prompt_tokens == len(split)
+    both = client.completions.create(model=model, prompt=[other, prompt_ids], max_tokens=4, temperature=0, n=2,
+                                     echo=True)
+    alone = client.completions.create(model=model, prompt="2 + 2 =", max_tokens=4, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices[:2]] == ["2 + 2 =" + alone.choices[0].text] * 2
+    assert [c.text for c in both.choices[2:]] == [PROMPT + tokenizer.decode(new_ids[:4])] * 2
+    assert both.usage.prompt_tokens == len(other) + len(prompt_ids)  # once per prompt, as OpenAI counts it
+    assert both.usage.completion_tokens == 2 * alone.usage.completion_tokens + 2 * len(new_ids[:4])
+
+
+def test_a_token_id_prompt_beyond_the_context_is_a_400_naming_it(client, model, settings):
+    import openai
+
+    too_long = [17] * (settings["max_position_embeddings"] + 1)  # beyond any context the llm model allows
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[[17, 18], too_long], max_tokens=2)
+    assert refused.value.body["param"] == "prompt[1]" and "maximum context length" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[17, 10**6], max_tokens=2)
+    assert refused.value.body["param"] == "prompt" and "token id 1000000" in refused.value.body["message"]
+
+
 def test_chat_over_several_turns_equals_transformers_on_the_chat_template(client, model, chat_reference, tokenizer):
     prompt_ids, new_ids = chat_reference
     answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)

@@ -105,7 +105,6 @@ def test_completion_only_rules():
     assert completion(echo=True).echo
     assert refused(completion, best_of=3).param == "best_of"
     assert completion(best_of=3, n=3).n == 3 and completion(best_of=1).best_of == 1
-    assert refused(completion, prompt=[1, 2, 3]).param == "prompt"
     assert refused(completion, prompt="").param == "prompt"
     assert refused(completion, prompt=[]).param == "prompt"
     assert refused(completion, prompt=["a"] * 3, n=MAX_CHOICES // 2).param == "n"
@@ -114,6 +113,23 @@ def test_completion_only_rules():
     assert refused(completion, stream_options={"include_usage": True}).param == "stream_options"
     assert completion(stream=True, stream_options={"include_usage": True}).include_usage
     assert not completion(stream=True, stream_options={"include_usage": False}).include_usage
+
+
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("Hi", ["Hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [VOCAB - 1]], [[1, 2], [VOCAB - 1]]),
+    ([0], [[0]])])
+def test_a_prompt_in_every_form_openai_takes_is_a_list_of_prompts(prompt, prompts):
+    assert completion(prompt=prompt).prompt == prompts
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([1, VOCAB], f"prompt 0 holds token id {VOCAB}, which is not in this model's vocabulary (0..{VOCAB - 1})"),
+    ([[5], [-1]], "prompt 1 holds token id -1"), ([[1], []], "prompt 1 is empty"), ([[]], "a prompt must not be empty"),
+    ([[1, 2], "a"], "all text or all token ids, not both"), (["a", ""], "prompt 1 is empty"),
+    ([1.5], None), ([True], None), ([[1, "2"]], None)])
+def test_bad_token_id_prompts_are_400s_that_name_the_prompt(prompt, message):
+    error = refused(completion, prompt=prompt)
+    assert error.param.startswith("prompt") and (message is None or message in error.message), error.message
 
 
 def test_chat_only_rules():
