@@ -192,11 +192,13 @@ def _object_or_text(arguments: str):
 
 def call_grammar(functions: list[FunctionDefinition], parallel: bool) -> str:
     """llguidance's Lark: a call (or several) of one of the functions, its arguments valid against the function's
-    parameters, read strictly (python_backend/guided/strict_schema.py). Nothing between calls: after a call SmolLM2 prefers a newline to the end, and after a newline it goes
-    on with the same call again, up to max_tokens; without the newline it ends."""
+    parameters, read strictly (python_backend/guided/strict_schema.py). Nothing between calls: after a call SmolLM2
+    prefers a newline to the end, and after a newline it goes on with the same call again, up to max_tokens; without
+    the newline it ends."""
     # Each function's parameters get a base of their own, so that their "#/$defs/..." references resolve in them.
     calls = [{"type": "object",
-              "properties": {"name": {"const": f.name}, "arguments": {"$id": f"urn:tool:{f.name}", **strict_schema(f.schema())}},
+              "properties": {"name": {"const": f.name},
+                             "arguments": {"$id": f"urn:tool:{f.name}", **strict_schema(f.schema())}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"x-guidance": JSON_STYLE, "anyOf": calls}
     start = "start: call+" if parallel else "start: call"
@@ -244,7 +246,8 @@ def cut_calls(text: str, names: set[str], forced: bool) -> list[dict] | None:
     name, arguments = _cut_call(blocks[-1])
     if not forced and not any(known.startswith(name) for known in names):
         return None
-    cut = {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    cut = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+           "function": {"name": name, "arguments": arguments}}
     return [call for calls in whole for call in calls] + [cut]
 
 

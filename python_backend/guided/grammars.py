@@ -13,9 +13,10 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 from python_backend.errors import InvalidRequestError
 from python_backend.guided.strict_schema import strict_schema
 
-# json: any JSON value (guide ignored); json_schema: a JSON schema, read strictly (strict_schema.py); regex: the whole output matches it;
-# ebnf_grammar: a GBNF grammar (llama.cpp's and XGrammar's syntax, start rule `root`); lark: an extension,
-# llguidance's Lark dialect, which can embed a schema (`%json {...}`), as the OpenAI front's tool calls do.
+# json: any JSON value (guide ignored); json_schema: a JSON schema, read strictly (strict_schema.py); regex: the
+# whole output matches it; ebnf_grammar: a GBNF grammar (llama.cpp's and XGrammar's syntax, start rule `root`);
+# lark: an extension, llguidance's Lark dialect, which can embed a schema (`%json {...}`), as the OpenAI front's tool
+# calls do.
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "lark")
 
 # JSON as the model writes it when left alone, and as OpenAI returns it: ", " and ": " between items, no other

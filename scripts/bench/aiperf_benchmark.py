@@ -84,7 +84,8 @@ def measure(concurrency: int, args, ports, api_url: str, model: str, prompts: Pa
 
     return {
         "concurrency": concurrency,
-        "aiperf": {"requests": export["request_count"]["avg"], "ttft_p50_s": export["time_to_first_token"]["p50"] / 1000,
+        "aiperf": {"requests": export["request_count"]["avg"],
+                   "ttft_p50_s": export["time_to_first_token"]["p50"] / 1000,
                    "itl_p50_s": export["inter_token_latency"]["p50"] / 1000,
                    "requests_per_s": export["request_throughput"]["avg"],
                    "output_tokens_per_s": export["output_token_throughput"]["avg"],

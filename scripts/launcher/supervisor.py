@@ -14,8 +14,8 @@ the models write (python_backend/serving/heartbeat.py) every ``check_interval_s`
   (its Batch API resumes the batches it was running from its store).
 
 ``GET /health/ready`` on ``health_port`` answers 200 only while tritonserver is ready, every model process is
-alive and making progress, and the OpenAI API (when kept) answers, else 503; ``GET /health/live`` answers 200 while the supervisor runs; both return JSON
-with each instance's state and the recoveries so far."""
+alive and making progress, and the OpenAI API (when kept) answers, else 503; ``GET /health/live`` answers 200 while
+the supervisor runs; both return JSON with each instance's state and the recoveries so far."""
 
 from __future__ import annotations
 
