@@ -152,3 +152,21 @@ def test_served_greedy_output_equals_transformers_generate_on_ids_with_bos(
         completion = client.complete(request)
         assert completion.output_tokens == len(reference[prompt]) == MAX_TOKENS, prompt
         assert completion.text == hf_tokenizer.decode(reference[prompt], skip_special_tokens=True), prompt
+
+
+@pytest.mark.server
+def test_the_default_variant_builds_from_an_export_of_a_hugging_face_folder(tiny_export, tiny_model_dir, tmp_path):
+    """`make model SOURCE=<folder> QUANT=int4`: the export reads a Hugging Face folder where it is (no hf/ of its
+    own), and the fused graph is built from the folder its settings name (it once looked for EXPORT_DIR/hf, which the
+    builder then took for a model hub's name)."""
+    import json
+
+    assert not (tiny_export / "hf").exists()
+    output = tmp_path / "tiny-int4"
+    command = [sys.executable, "-m", "scripts.prepare.quantize", "--quant", "int4", "--source", str(tiny_export),
+               "--output", str(output)]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"fused graph of {tiny_model_dir.resolve()}" in done.stderr + done.stdout
+    assert json.loads((output / "llm_settings.json").read_text())["quantization"] == "int4"
+    assert (output / "onnx" / "model.onnx").is_file() and (output / "parity_report.json").is_file()

@@ -169,8 +169,9 @@ def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
     """Writes output/onnx/model.onnx (+ data) from source's; returns the build statistics."""
     stats: dict = {}
     if recipe.graph == "fused":
-        log(f"{recipe.name}: onnxruntime-genai's fused graph of {source / 'hf'}")
-        model = fused_graph.build(source / "hf")
+        weights = source_weights(source)
+        log(f"{recipe.name}: onnxruntime-genai's fused graph of {weights}")
+        model = fused_graph.build(weights)
         head = fused_graph.lm_head(model)
     else:
         log(f"{recipe.name}: loading {source / ONNX_FILE}")
@@ -189,6 +190,19 @@ def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
     stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
     return stats
+
+
+def source_weights(source: Path) -> Path:
+    """The Hugging Face folder the export was made from: its own hf/ for a GGUF (dequantized there), else the folder
+    its settings name (a Hugging Face source is read where it is, not copied). The builder takes a path that does
+    not exist for a model hub's name, so a missing folder is refused here."""
+    weights = source / "hf"
+    if not weights.is_dir():
+        weights = Path(json.loads((source / SETTINGS_FILE).read_text())["hf_dir"])
+    if not (weights / "config.json").is_file():
+        raise SystemExit(f"the weights {source} was exported from are not at {weights} any more: export it again "
+                         "(make model SOURCE=...)")
+    return weights
 
 
 def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
