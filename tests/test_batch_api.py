@@ -174,12 +174,18 @@ def test_a_chat_batch_answers_each_line_once_as_the_same_body_answers_live(clien
         assert response["body"]["choices"][0]["message"]["content"] == live.choices[0].message.content, cid
 
 
-def test_a_completions_batch_answers_as_the_same_prompts_answer_live(client, model):
+def test_a_completions_batch_answers_as_the_same_prompts_answer_live(client, model, tokenizer):
+    """Text prompts, and token-id prompts with echo as an evaluation job sends them (a line of two prompts)."""
     bodies = {f"text-{i}": {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS}
               for i, prompt in enumerate(["The capital of France is", "One, two,", "Water boils at"])}
+    bodies["ids-echo"] = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS, "echo": True, "prompt": [
+        tokenizer.encode(p, apply_chat_template=False) for p in ("Water boils at", "One, two,")]}
     batch, outputs, errors = run_batch(client, jsonl([line(cid, body, COMPLETIONS) for cid, body in bodies.items()]),
                                        COMPLETIONS)
-    assert (batch.status, batch.request_counts.completed, errors) == ("completed", 3, [])
+    assert (batch.status, batch.request_counts.completed, errors) == ("completed", 4, [])
+    echoed = [c["text"] for c in by_id(outputs)["ids-echo"]["response"]["body"]["choices"]]
+    assert echoed == [p + client.completions.create(**{**bodies["text-0"], "prompt": p}).choices[0].text
+                      for p in ("Water boils at", "One, two,")]
     outputs = by_id(outputs)
     assert set(outputs) == set(bodies)
     for cid, body in bodies.items():
