@@ -75,7 +75,8 @@ lint: $(LINT_VENV)/.installed
 
 model: venv
 	$(PY) -m scripts.prepare.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
-	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.prepare.quantize --quant $(QUANT) --source $(EXPORT_DIR))
+	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.prepare.quantize --quant $(QUANT) --source $(EXPORT_DIR) \
+		$(if $(KEEP_INEXACT),--keep-inexact))
 
 # The folder that serve, demo and benchmark use (docker/compose.yaml asks it).
 model-dir:

@@ -65,6 +65,7 @@ RECIPES = {
     "fp16": Recipe("fp16"),
 }
 QUANT_CHOICES = ("fp32", *RECIPES)
+EXACT = ("int4",)  # called exact: a build whose parity fails is not kept (fast and fp16 only warn)
 ALIASES = {"int4-fast": "fast", "int8": "fast"}
 
 
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=EXPORT_DIR, help="the fp32 export (make model)")
     parser.add_argument("--output", type=Path, help="default: <source>-<quant>")
     parser.add_argument("--force", action="store_true", help="build again even if the output is up to date")
+    parser.add_argument("--keep-inexact", action="store_true",
+                        help="keep an exact variant (int4) whose parity fails, as a model of its own (not exact)")
     args = parser.parse_args(argv)
     if args.quant in ALIASES:
         log(f"{args.quant} is now called {ALIASES[args.quant]}")
@@ -262,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{recipe.name}: {stats['model_bytes'] / 1e6:.0f} MB in {time.monotonic() - started:.0f} s; checking parity")
 
     report = check_variant(args.source, output, recipe.name, stats)
+    if not report["passed"] and recipe.name in EXACT and not args.keep_inexact:
+        # Not left behind to be served as if it were exact: the weights go, the report stays, no completion mark.
+        shutil.rmtree((output / ONNX_FILE).parent)
+        g = report["greedy_agreement"]
+        log(f"{recipe.name} is not exact for this model (max |Δ logits| {report['max_abs_logit_diff']:.3g}, greedy "
+            f"identical on {g['identical']} of {g['prompts']} prompts; the report: {output / PARITY_REPORT_FILE}), "
+            f"so it was not kept. Serve QUANT=fp32 (the export) or QUANT=fast (not exact by design), or build it "
+            f"anyway with --keep-inexact")
+        return 1
     if not report["passed"]:  # the thresholds are the default model's (make test); another model may differ
         log(f"WARNING: parity below the thresholds set for the default model: see {output / PARITY_REPORT_FILE}")
     mark_complete(output, VARIANT_MARK, wanted)
