@@ -226,7 +226,8 @@ def test_a_line_gives_up_after_max_retry_s_on_503_and_on_connection_errors(stub,
     started = time.monotonic()
     assert run_batch.main(["-i", str(source), "-o", str(tmp_path / "a.jsonl"), "--url", server.url,
                            "--max-retry-s", "1"]) == 0
-    assert time.monotonic() - started < 3
+    # Gave up after about 1 s, not after the default 600 s: the bound tells those apart on any machine's speed.
+    assert time.monotonic() - started < 60
     [error] = records(tmp_path / "a.errors.jsonl")
     assert error["custom_id"] == "t1" and error["response"]["status_code"] == 503 and len(server.posts) >= 2
     dead = f"http://127.0.0.1:{server.server.server_address[1]}"
