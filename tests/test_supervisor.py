@@ -99,6 +99,27 @@ def test_a_dead_openai_api_is_started_again_and_counted_as_a_recovery(tmp_path):
     assert all(p.poll() is not None for p in servers + apis), "stop() stops the API with the server"
 
 
+def test_an_openai_api_that_cannot_start_is_tried_again_later_not_at_every_look():
+    servers, apis = [], []
+
+    def failing_api():
+        apis.append(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]))
+        return apis[-1]
+
+    supervisor = Supervisor(stand_in(servers), "127.0.0.1:9", ["llm"], start_api=failing_api,
+                            api_url=f"127.0.0.1:{Ports.free().http}")
+    supervisor.process, supervisor.api = stand_in(servers)(), failing_api()
+    try:
+        apis[0].wait()
+        supervisor.check()
+        supervisor.check()
+        supervisor.check()
+        assert len(apis) == 2, "one restart, then a wait before the next"
+        assert [(r.action, r.ok) for r in supervisor.recoveries] == [("restart the OpenAI API", False)]
+    finally:
+        supervisor.stop()
+
+
 # --- the OpenAI-compatible API that `make serve` runs beside the server, with a stand-in tritonserver ---
 
 def stand_in_tritonserver(tmp_path) -> str:

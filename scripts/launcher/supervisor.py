@@ -39,6 +39,7 @@ from scripts.launcher.model_control import reload_llm
 from scripts.launcher.processes import stop, terminate
 
 API_STOP_S = 10  # SIGTERM, then SIGKILL: uvicorn gives open streams a few seconds
+MAX_API_BACKOFF_S = 60
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 
 
@@ -76,6 +77,8 @@ class Supervisor:
     def __post_init__(self):
         self.process: subprocess.Popen | None = None
         self.api: subprocess.Popen | None = None
+        self._api_failures = 0  # restarts of the API in a row that failed: the next waits 2^n s (at most a minute)
+        self._api_retry_at = 0.0
         self._stopping = threading.Event()
         self._recovering = False
         self._lock = threading.Lock()
@@ -157,8 +160,9 @@ class Supervisor:
                               self._restart)
                 return
             if self.api is not None and self.api.poll() is not None:
-                self._recover(f"the OpenAI API exited with code {self.api.returncode}", "restart the OpenAI API",
-                              self._restart_api, restart_if_it_fails=False)
+                if time.monotonic() >= self._api_retry_at:  # an API that cannot start is not started every look
+                    self._recover(f"the OpenAI API exited with code {self.api.returncode}", "restart the OpenAI API",
+                                  self._restart_api, restart_if_it_fails=False)
                 return
             bad = [h for h in self.instances() if not h.ok]
             if not bad:
@@ -221,11 +225,17 @@ class Supervisor:
         self.api = self.start_api()
         deadline = time.monotonic() + self.recovery_timeout_s
         while not self.api_answers():
-            if self.api.poll() is not None:
-                raise RuntimeError(f"the OpenAI API exited with code {self.api.returncode} as it started")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the OpenAI API did not answer within {self.recovery_timeout_s:.0f} s")
+            problem = (f"the OpenAI API exited with code {self.api.returncode} as it started"
+                       if self.api.poll() is not None else None)
+            if problem is None and time.monotonic() > deadline:
+                problem = f"the OpenAI API did not answer within {self.recovery_timeout_s:.0f} s"
+                self.api.kill()  # the next look starts another
+            if problem:
+                self._api_failures += 1
+                self._api_retry_at = time.monotonic() + min(2 ** self._api_failures, MAX_API_BACKOFF_S)
+                raise RuntimeError(problem)
             time.sleep(0.1)
+        self._api_failures = 0
 
     def _restart(self) -> None:
         if self.process is not None:
