@@ -154,7 +154,7 @@ benchmark-ray: variants
 	$(PY) -m scripts.bench.ray_benchmark --model-dir $(MODEL_DIR)
 
 # aiperf (NVIDIA's, from the client libraries' venv) against the OpenAI API, streaming chat at concurrency 1, 8, 32,
-# beside Locust's ChatStreamUser on the same server (QUANT's folder); exports under build/aiperf/ (~6 min).
+# beside Locust's ChatStreamUser on the same server (QUANT's folder); exports under build/aiperf/ (~3 min).
 benchmark-aiperf: variants clients
 	$(PY) -m scripts.bench.aiperf_benchmark --model-dir $(MODEL_DIR) $(AIPERF_ARGS)
 
