@@ -88,6 +88,22 @@ def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_model_d
     assert (output / "weights.bin").read_bytes() == b"the user's export"
 
 
+def test_a_model_whose_attention_the_export_lacks_is_refused_before_any_work(tmp_path, capsys):
+    """Gemma 2's attention soft-capping: refused from its config alone, naming why, with nothing written."""
+    from transformers import Gemma2Config
+
+    from scripts.prepare import export_onnx
+
+    source = tmp_path / "gemma2"
+    Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16).save_pretrained(source)
+    output = tmp_path / "out"
+    assert export_onnx.main(["--source", str(source), "--output", str(output)]) == 2
+    assert "gemma2 uses attention logit soft-capping (attn_logit_softcapping 50.0)" in capsys.readouterr().err
+    assert not output.exists(), "nothing half-built is left behind"
+    assert export_onnx.refusal(Path(tmp_path / "missing")) is None
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_export, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton_tiny") / "server.log"

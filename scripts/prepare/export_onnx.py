@@ -76,6 +76,25 @@ def source_fingerprint(source: Path) -> dict:
             "export_format": EXPORT_FORMAT}
 
 
+def refusal(source: Path) -> str | None:
+    """Why the export cannot take this model, found from its config before any work (None: nothing known against
+    it). The export's attention (grouped_attention.py) has no logit soft-capping: Gemma 2's would fail inside
+    torch.export after minutes of loading, or, were it skipped, change every token."""
+    from transformers import AutoConfig
+
+    try:
+        config = (AutoConfig.from_pretrained(source.parent, gguf_file=source.name) if source.is_file()
+                  else AutoConfig.from_pretrained(source))
+    except (OSError, ValueError, KeyError):
+        return None  # loading the model itself will say what is wrong
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return (f"{config.model_type} uses attention logit soft-capping (attn_logit_softcapping {softcap}), which "
+                f"the export's attention ({grouped_attention.NAME}) does not have; checked: Llama-like models "
+                "(docs/models.md)")
+    return None
+
+
 def load_source(source: Path, output: Path):
     """Returns (hf_dir, model, tokenizer). A GGUF file is dequantized once into output/hf."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -241,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and up_to_date(output, EXPORT_MARK, fingerprint):
         log(f"{output} is up to date with {source.name}; skipping (use --force to redo)")
         return 0
+    if problem := refusal(source):
+        log(f"cannot export {source}: {problem}")
+        return 2
     start_fresh(output)
     torch.manual_seed(0)
     hf_dir, model, tokenizer = load_source(source, output)
