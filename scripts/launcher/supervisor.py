@@ -95,25 +95,11 @@ class Supervisor:
         return read_health(folder, stale_s=self.stale_s, stall_s=self.stall_s)
 
     def server_ready(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return _runs_and_answers(self.process, f"http://{self.http_url}/v2/health/ready")
 
     def api_answers(self) -> bool:
         """Whether the kept OpenAI API's process runs and answers (True when none is kept)."""
-        if self.start_api is None:
-            return True
-        if self.api is None or self.api.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://{self.api_url}/health/live", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return self.start_api is None or _runs_and_answers(self.api, f"http://{self.api_url}/health/live")
 
     def health(self) -> dict:
         instances = self.instances()
@@ -255,6 +241,17 @@ class Supervisor:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s")
+
+
+def _runs_and_answers(process: subprocess.Popen | None, url: str) -> bool:
+    """Whether the process is running and the URL answers 200."""
+    if process is None or process.poll() is not None:
+        return False
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def _model_of(instance: str) -> str:
