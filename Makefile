@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv clients lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -62,6 +62,17 @@ $(CLIENTS_VENV)/.installed: requirements-clients.txt
 	touch $@
 
 clients: $(CLIENTS_VENV)/.installed
+
+# lm-eval (and its hf backend), test and evaluation only, in a venv of its own (requirements-eval.txt says why);
+# make test installs it, tests/test_lm_eval.py skips without it.
+EVAL_VENV ?= .venv-eval
+$(EVAL_VENV)/.installed: requirements-eval.txt
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install --quiet --upgrade pip
+	$(EVAL_VENV)/bin/pip install --quiet -r requirements-eval.txt
+	touch $@
+
+eval-venv: $(EVAL_VENV)/.installed
 
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/checkov --quiet --compact --skip-download --framework dockerfile \
@@ -119,7 +130,7 @@ serve: model
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
-test: variants clients
+test: variants clients eval-venv
 	@started=$$(date +%s); \
 	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status
@@ -152,6 +163,17 @@ benchmark-batch: variants
 # server, through Ray on that server and through Ray on two servers on this machine (~7 min).
 benchmark-ray: variants
 	$(PY) -m scripts.bench.ray_benchmark --model-dir $(MODEL_DIR)
+
+# lm-eval (unchanged, from its own venv) against the OpenAI API on QUANT's folder, on the repository's local
+# multiple-choice task (200 questions x 4 choices behind a shared few-shot prefix); prints lm-eval's table (~2 min).
+# EVAL_ARGS: e.g. --tasks triton_passages_ppl,triton_arithmetic_gen --limit 20, or --chat (scripts/eval/run.py).
+eval: variants eval-venv
+	$(PY) -m scripts.eval.run --model-dir $(MODEL_DIR) $(EVAL_ARGS)
+
+# The multiple-choice task through this server (prefix caching on and off) against lm-eval's own hf backend on the
+# same weights and CPU; accuracy and wall time side by side (~25 min).
+benchmark-eval: variants eval-venv
+	$(PY) -m scripts.bench.eval_benchmark --model-dir $(MODEL_DIR) $(EVAL_ARGS)
 
 # aiperf (NVIDIA's, from the client libraries' venv) against the OpenAI API, streaming chat at concurrency 1, 8, 32,
 # beside Locust's ChatStreamUser on the same server (QUANT's folder); exports under build/aiperf/ (~3 min).

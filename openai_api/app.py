@@ -184,19 +184,28 @@ def create_app(config: ServiceConfig) -> FastAPI:
         param = "prompt" if len(body.prompt) == 1 else "prompt[{}]"
         budgets = [await service.budget(prompt, param.format(p), body.completion_max_tokens)
                    for p, prompt in enumerate(body.prompt)]
+        scored = body.scores_prompt
         shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
-                      top_log_probs=body.logprobs or 0, **body.sampling(),
+                      top_log_probs=body.logprobs or 0, prompt_log_probs=scored, **body.sampling(),
                       cache_salt=tenant_salt(owner, body.cache_salt))
         n = body.choices_per_prompt
-        # A token-id prompt is sent as its ids; its text (special tokens kept) is what echo puts in front.
+        # A token-id prompt is sent as its ids; its text (special tokens kept) is what echo puts in front. A text
+        # prompt scored is tokenized here, as the ensemble would, so that its tokens can be named.
+        ids = [p if isinstance(p, list) else service.tokenizer.encode(p, apply_chat_template=False) if scored else None
+               for p in body.prompt]
         texts = [p if isinstance(p, str) else service.tokenizer.tokenizer.decode(p, skip_special_tokens=False)
                  for p in body.prompt]
+
+        def logprobs(prompt_ids: list[int] | None) -> CompletionLogprobs | None:
+            if body.logprobs is None:
+                return None
+            return CompletionLogprobs(service.texts, prompt_ids if body.echo else None)
+
         choices = [
             Choice(p * n + j, p, service.backend.generate(
-                EnsembleRequest(text, max_tokens, seed=body.seed_of(j),
-                                prompt_ids=None if isinstance(prompt, str) else prompt, **shared)),
-                CompletionLogprobs(service.texts) if body.logprobs is not None else None)
-            for p, (prompt, text, max_tokens) in enumerate(zip(body.prompt, texts, budgets)) for j in range(n)
+                EnsembleRequest(text, max_tokens, seed=body.seed_of(j), prompt_ids=prompt_ids, **shared)),
+                logprobs(prompt_ids))
+            for p, (prompt_ids, text, max_tokens) in enumerate(zip(ids, texts, budgets)) for j in range(n)
         ]
         return choices, CompletionFormat(service.model, body.include_usage), bool(body.stream)
 

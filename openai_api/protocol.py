@@ -133,6 +133,7 @@ class _SamplingRequest(Strict):
 class CompletionRequest(_SamplingRequest):
     # Every form OpenAI takes: a string, a list of strings, a list of token ids, a list of lists of token ids.
     prompt: list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt scored, nothing generated (as vLLM)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
@@ -168,15 +169,21 @@ class CompletionRequest(_SamplingRequest):
         super()._check()
         if self.best_of not in (None, 1, self.choices_per_prompt):
             raise InvalidRequest("best_of is not supported (only best_of = n, or 1)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo together with logprobs is not supported", param="logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens 0 generates nothing: it is allowed only with echo (the prompt, scored "
+                                 "with logprobs)", param="max_tokens")
         if len(self.prompt) * self.choices_per_prompt > MAX_CHOICES:
             raise InvalidRequest(f"{len(self.prompt)} prompts x n={self.choices_per_prompt} is more than "
                                  f"{MAX_CHOICES} choices in one request", param="n")
 
     @property
     def completion_max_tokens(self) -> int:
-        return self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs (the prompt's tokens scored in front of the answer's), or max_tokens 0."""
+        return bool(self.echo) and (self.logprobs is not None or self.max_tokens == 0)
 
 
 class ChatMessage(Strict):

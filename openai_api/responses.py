@@ -40,26 +40,39 @@ class Usage:
 class CompletionLogprobs:
     """Completions' logprobs of one choice: {tokens, token_logprobs, top_logprobs, text_offset}. top_logprobs holds, for
     each token, the N most likely tokens and the chosen one (so up to N + 1 entries, as OpenAI returns them);
-    text_offset goes on from piece to piece."""
+    text_offset goes on from piece to piece. With echo (prompt_ids given), the prompt's tokens come first, scored by
+    the first piece: the first prompt token has no log-probability (null, as OpenAI), nor top_logprobs."""
 
-    def __init__(self, texts: TokenTexts):
+    def __init__(self, texts: TokenTexts, prompt_ids: list[int] | None = None):
         self._texts = texts
         self._offset = 0
+        self._prompt_ids = prompt_ids
 
     def format(self, piece: Piece) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if self._prompt_ids is not None:
+            prompt, self._prompt_ids = self._prompt_ids, None
+            scores = piece.prompt_logprobs or [0.0] * len(prompt)
+            self._add(out, prompt, scores, piece.prompt_top_ids, piece.prompt_top_logprobs, first_unscored=True)
+        self._add(out, piece.token_ids or [], piece.token_logprobs or [], piece.top_ids, piece.top_logprobs)
+        return out
+
+    def _add(self, out: dict, ids: list[int], logprobs: list[float], top_ids, top_logprobs,
+             first_unscored: bool = False) -> None:
         text = self._texts.text
-        tokens = [text(i) for i in piece.token_ids or []]
-        logprobs = [_finite(lp) for lp in piece.token_logprobs or []]
-        top = []
-        offsets = []
-        for t, token in enumerate(tokens):
-            entries = ({text(i): _finite(lp) for i, lp in zip(piece.top_ids[t], piece.top_logprobs[t])}
-                       if piece.top_ids else {})
-            entries.setdefault(token, logprobs[t])
-            top.append(entries)
-            offsets.append(self._offset)
+        for t, token_id in enumerate(ids):
+            token = text(token_id)
+            if first_unscored and t == 0:  # a prompt's first token: nothing before it to score it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                entries = {text(i): _finite(lp) for i, lp in zip(top_ids[t], top_logprobs[t])} if top_ids else {}
+                entries.setdefault(token, _finite(logprobs[t]))
+                out["token_logprobs"].append(_finite(logprobs[t]))
+                out["top_logprobs"].append(entries)
+            out["tokens"].append(token)
+            out["text_offset"].append(self._offset)
             self._offset += len(token)
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 class ChatLogprobs:

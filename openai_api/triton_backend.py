@@ -42,6 +42,7 @@ class EnsembleRequest:
     echo: bool = False
     log_probs: bool = False
     top_log_probs: int = 0
+    prompt_log_probs: bool = False  # score the prompt (echo with logprobs): its tokens' log-probabilities
     cache_salt: str = ""
     guide: Guide | None = None  # structured output: the grammar the engine enforces
     priority: int = 0  # lower runs earlier; batch jobs' lines run with a positive one
@@ -77,6 +78,8 @@ class EnsembleRequest:
             tensors.append(_tensor("return_log_probs", np.array([[True]], np.bool_)))
         if self.top_log_probs:
             tensors.append(_tensor("num_top_log_probs", np.array([[self.top_log_probs]], np.int32)))
+        if self.prompt_log_probs:
+            tensors.append(_tensor("return_prompt_log_probs", np.array([[True]], np.bool_)))
         if self.cache_salt:
             tensors.append(_tensor("cache_salt", np.array([[self.cache_salt.encode("utf-8")]], np.object_)))
         if self.priority:
@@ -110,6 +113,10 @@ class Piece:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's, read from the text of a whole chat answer (openai_api.tools)
+    # The first response of a prompt scored: per prompt token its log-probability (0.0 for the first) and top.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
     @classmethod
     def from_result(cls, result) -> Piece:
@@ -131,6 +138,13 @@ class Piece:
                 count = len(piece.token_ids)
                 piece.top_logprobs = top.reshape(count, -1).tolist() if count else []
                 piece.top_ids = out.numbers("top_log_prob_ids").reshape(count, -1).tolist() if count else []
+        prompt = out.numbers("prompt_log_probs")
+        if prompt is not None:
+            piece.prompt_logprobs = prompt.tolist()
+            top = out.numbers("prompt_top_log_probs")
+            if top is not None:
+                piece.prompt_top_logprobs = top.reshape(len(prompt), -1).tolist()
+                piece.prompt_top_ids = out.numbers("prompt_top_log_prob_ids").reshape(len(prompt), -1).tolist()
         return piece
 
     @classmethod
@@ -145,6 +159,8 @@ class Piece:
             parts = [getattr(p, name) for p in pieces]
             if any(part is not None for part in parts):
                 setattr(joined, name, [x for part in parts for x in (part or [])])
+        for name in ("prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"):  # the first response's
+            setattr(joined, name, getattr(pieces[0], name))
         return joined
 
 

@@ -222,13 +222,13 @@ class CountingDecoder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, input_ids, *args):
+    def forward(self, input_ids, *args, **options):
         self.calls.append(input_ids.shape)
-        return self.inner.forward(input_ids, *args)
+        return self.inner.forward(input_ids, *args, **options)
 
-    def forward_in_place(self, input_ids, attention_mask, cache):
+    def forward_in_place(self, input_ids, attention_mask, cache, **options):
         self.calls.append(input_ids.shape)
-        return self.inner.forward_in_place(input_ids, attention_mask, cache)
+        return self.inner.forward_in_place(input_ids, attention_mask, cache, **options)
 
 
 def fail_choice_after(seq: Sequence, tokens: int, message: str = "the logits are not finite") -> None:

@@ -44,7 +44,8 @@ def test_graph_sizes_are_read_without_the_weights(model_dir, monkeypatch):
     assert calls == [{"load_external_data": False}]
 
 
-DECODER_INPUTS = ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key", "past_key_values.0.value"]
+DECODER_INPUTS = ["input_ids", "attention_mask", "position_ids", "logits_positions", "past_key_values.0.key",
+                  "past_key_values.0.value"]
 DECODER_OUTPUTS = ["logits", "present.0.key", "present.0.value"]
 
 

@@ -121,6 +121,34 @@ def test_log_probabilities_are_the_models_own_and_travel_with_their_tokens(serve
     assert np.abs(final["output_log_probs"].reshape(-1) - raw).max() < 1e-3
 
 
+def test_prompt_log_probabilities_come_in_the_first_response_and_equal_transformers(server, hf_model, tokenizer):
+    """return_prompt_log_probs: per prompt token its log-probability (0.0 for the first) and its top N, in the
+    first response of a stream; with max_tokens 0 the prompt is scored and nothing generated."""
+    ids = tokenizer.encode(PROMPT, apply_chat_template=False)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    outputs, error = stream(server, {"text_input": PROMPT, "max_tokens": 3, "stream": True,
+                                     "return_prompt_log_probs": True, "num_top_log_probs": 2})
+    assert error is None
+    first, *rest = [o for o in outputs if "text_output" in o]
+    assert not any("prompt_log_probs" in o for o in rest)
+    scores, top, top_ids = (first[name].reshape(len(ids), -1) for name in
+                            ("prompt_log_probs", "prompt_top_log_probs", "prompt_top_log_prob_ids"))
+    assert scores[0, 0] == 0.0 and (top_ids[0] == -1).all()
+    positions = np.arange(len(ids) - 1)
+    assert np.abs(scores[1:, 0] - expected[positions, ids[1:]]).max() < 1e-4
+    assert (top_ids[1:] == np.argsort(-expected[:-1], axis=-1, kind="stable")[:, :2]).all()
+    only, error = stream(server, {"text_input": PROMPT, "max_tokens": 0, "return_prompt_log_probs": True,
+                                  "exclude_input_in_output": False})
+    assert error is None
+    [final] = [o for o in only if "text_output" in o]
+    assert text_of(only) == PROMPT and final["finish_reason"].reshape(-1)[0] == b"length"
+    assert np.array_equal(final["prompt_log_probs"].reshape(-1), scores[:, 0])
+    assert final["num_output_tokens"].reshape(-1)[0] == 0
+    _, error = stream(server, {"text_input": PROMPT, "max_tokens": 0})
+    assert "max_tokens must be > 0" in error
+
+
 def test_logit_bias_penalties_and_echo_reach_the_engine(server, tokenizer):
     base = {"text_input": PROMPT, "max_tokens": 6}
     plain = text_of(stream(server, base)[0])

@@ -243,6 +243,64 @@ def test_completion_logprobs_equal_transformers_log_softmax(client, model, hf_mo
         assert got[logprobs.tokens[t]] == logprobs.token_logprobs[t]
 
 
+def prompt_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probability of each token of ids after the first, given the tokens before it."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+def test_echo_with_logprobs_scores_each_prompt_as_lm_eval_asks(client, model, hf_model, tokenizer):
+    """lm-eval's loglikelihood request: token-id prompts, several in one request, echo, logprobs 1, max_tokens 1.
+    Each choice: the prompt's tokens then the answer's, the first token's log-probability null (as OpenAI), the
+    others transformers' within 1e-4, top_logprobs holding the most likely token, text_offset over the whole text."""
+    prompts = [tokenizer.encode(PROMPT + ending, apply_chat_template=False) for ending in (" Paris.", " Berlin.")]
+    answer = client.completions.create(model=model, prompt=prompts, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for choice, ids in zip(answer.choices, prompts):
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(ids) + 1
+        assert logprobs.tokens[:len(ids)] == [tokenizer.tokenizer.decode([i]) for i in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        expected = prompt_log_softmax(hf_model, ids).tolist()
+        assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+        for entries, token, value in zip(logprobs.top_logprobs[1:], logprobs.tokens[1:], logprobs.token_logprobs[1:]):
+            assert entries[token] == value and max(entries.values()) >= value
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids) + 1)]
+        assert choice.text.startswith(tokenizer.tokenizer.decode(ids)) and answer.usage.completion_tokens == 2
+    # The more likely continuation is the one transformers prefers too.
+    totals = [sum(c.logprobs.token_logprobs[len(prompts[0]) - 2:len(ids)]) for c, ids in zip(answer.choices, prompts)]
+    assert totals[0] > totals[1]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, model, hf_model, tokenizer):
+    ids = tokenizer.encode(PROMPT, apply_chat_template=False)
+    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    [choice] = scored.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    assert choice.logprobs.tokens == [tokenizer.tokenizer.decode([i]) for i in ids]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_log_softmax(hf_model, ids).tolist(), abs=1e-4)
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                                              stream=True))
+    tokens = [t for chunk in streamed for c in chunk.choices if c.logprobs for t in c.logprobs.token_logprobs]
+    assert tokens == choice.logprobs.token_logprobs
+    assert "".join(c.text for chunk in streamed for c in chunk.choices) == PROMPT
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens" and "echo" in refused.value.body["message"]
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_answer(client, model):
+    args = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [c for chunk in client.completions.create(**args, stream=True) for c in chunk.choices if c.logprobs]
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.tokens
+    assert [v for c in chunks for v in c.logprobs.token_logprobs] == whole.token_logprobs
+    assert [o for c in chunks for o in c.logprobs.text_offset] == whole.text_offset
+
+
 def test_chat_logprobs_equal_transformers_log_softmax(client, model, hf_model, chat_reference, tokenizer):
     prompt_ids, new_ids = chat_reference
     expected = hf_logprobs(hf_model, prompt_ids, new_ids)

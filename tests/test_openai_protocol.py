@@ -101,8 +101,11 @@ def test_completion_only_rules():
     assert refused(completion, logprobs=6).param == "logprobs"
     assert refused(completion, logprobs=-1).param == "logprobs"
     assert completion(logprobs=5).logprobs == 5 and completion(logprobs=0).logprobs == 0
-    assert refused(completion, echo=True, logprobs=0).param == "logprobs"
-    assert completion(echo=True).echo
+    assert completion(echo=True, logprobs=0).scores_prompt and not completion(echo=True).scores_prompt
+    assert completion(echo=True).echo and not completion(logprobs=1).scores_prompt
+    assert completion(echo=True, max_tokens=0).scores_prompt and completion(max_tokens=0, echo=True).max_tokens == 0
+    assert refused(completion, max_tokens=0).param == "max_tokens"  # nothing to generate and nothing echoed
+    assert refused(completion, max_tokens=-1).param == "max_tokens"
     assert refused(completion, best_of=3).param == "best_of"
     assert completion(best_of=3, n=3).n == 3 and completion(best_of=1).best_of == 1
     assert refused(completion, prompt="").param == "prompt"

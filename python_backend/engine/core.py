@@ -15,6 +15,7 @@ from python_backend.engine.batch_sampling import choose_next
 from python_backend.engine.kv_batch import PaddedKVCache
 from python_backend.engine.kv_slots import SlotKVCache
 from python_backend.engine.prefix_cache import PrefixCache
+from python_backend.engine.sampling import prompt_token_logprobs
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, cache_bound
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import (Decoded, EngineState, Event, Failed, NewTokens, Prefilled, PrefixLookup,
@@ -48,6 +49,16 @@ def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
                          "export's own graph (fp32, fp16, the GPU runtimes) has no prefix caching")
     block = -(-16 // cache.align_tokens) * cache.align_tokens  # at least 16 tokens, whole pages
     return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block, cache.decoder.vocab_size)
+
+
+def _scores_top(seq: Sequence) -> int | None:
+    """A scored prompt's top count (what its scores must hold), None for a prompt not scored."""
+    return seq.params.top_logprobs if seq.params.prompt_logprobs else None
+
+
+def _scores(seq: Sequence, logits: np.ndarray, first: int) -> list:
+    """The scores of prompt tokens first, first + 1, ... from the logits of the positions before each."""
+    return prompt_token_logprobs(logits, seq.prompt_ids[first:first + len(logits)], seq.params.top_logprobs)
 
 
 class EngineCore:
@@ -84,6 +95,10 @@ class EngineCore:
     def add(self, sequence: Sequence) -> list[Event]:
         """Queues a sequence, or returns its final event at once when a cancel for it came first. Raises
         InvalidRequestError when it can never fit the KV budget, QueueFullError when the waiting queue is full."""
+        if sequence.params.prompt_logprobs and not getattr(self.decoder, "scores_prompts", False):
+            raise InvalidRequestError(f"prompt log-probabilities are not available on this runtime "
+                                      f"({type(self.decoder).__name__}: its graph returns the last position's logits "
+                                      "only)")
         need = cache_bound(self.config.kv_layout, [sequence], 0)
         if need > self.config.kv_budget_tokens:
             raise InvalidRequestError(
@@ -214,27 +229,31 @@ class EngineCore:
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
         unique, forks = self._unique(sequences)
-        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt) for s in unique} if self.prefix else {}
+        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt, _scores_top(s)) for s in unique} \
+            if self.prefix else {}
         fresh = [s for s in unique if not hits.get(id(s))]
         first_row = len(self.running)
         parts, computed, padding, errors = [], 0, 0, {}
-        if fresh:
-            logits, computed, padding = self.cache.prefill([s.prompt_ids for s in fresh],
-                                                           [s.reserved_tokens() for s in fresh])
-            self.running += fresh  # the cache's new rows, in order
+        for scoring in (False, True):  # a prompt scored needs every position's logits: its own forward
+            group = [s for s in fresh if s.params.prompt_logprobs == scoring]
+            if not group:
+                continue
+            logits, group_computed, group_padding = self.cache.prefill(
+                [s.prompt_ids for s in group], [s.reserved_tokens() for s in group], all_positions=scoring)
+            if scoring:
+                for seq, positions in zip(group, logits):
+                    seq.prompt_logprobs = [None] + _scores(seq, positions[:-1], 1)
+                logits = np.stack([positions[-1] for positions in logits])
+            self.running += group  # the cache's new rows, in order
             parts.append(logits)
+            computed, padding = computed + group_computed, padding + group_padding
         for seq in unique:
             hit = hits.get(id(seq))
             if not hit:
                 continue
             fill = partial(self.prefix.load, hit)
             try:
-                if hit.whole is not None:  # the whole prompt is cached, its last logits too: nothing to compute
-                    self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
-                    logits, rest = hit.whole.logits[None], 0
-                else:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
-                    logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(),
-                                                               hit.tokens(self.prefix.block_tokens), fill)
+                logits, rest = self._prefill_after_hit(seq, hit, fill)
             except Exception as error:  # noqa: BLE001 - this sequence's own prefill: it fails alone
                 errors[id(seq)] = error
                 yield from self._fail(seq, error)
@@ -251,6 +270,7 @@ class EngineCore:
                 continue
             copied.append(computed_rows[id(source)])
             self.cache.fork(first_row + copied[-1], seq.reserved_tokens())
+            seq.prompt_logprobs = source.prompt_logprobs
             self.running.append(seq)
         if copied:
             logits = np.concatenate([logits, logits[copied]])
@@ -258,16 +278,50 @@ class EngineCore:
         if self.prefix is not None:
             room = self._prefix_room()
             for i, seq in enumerate(joined[:len(computed_rows)]):
-                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(first_row + i), room, logits[i])
+                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(first_row + i), room, logits[i],
+                                  seq.prompt_logprobs, seq.params.top_logprobs)
         if not joined:
             return
-        tokens, failed = choose_next(joined, logits)
+        tokens, failed = self._choose_first(joined, logits)
         self._next_tokens = np.concatenate([self._next_tokens, tokens])
         yield Prefilled(computed, padding)
         for seq, error in failed:
             yield from self._fail(seq, error)
         for seq in joined:
             yield from self._emit(seq)
+
+    def _prefill_after_hit(self, seq: Sequence, hit, fill) -> tuple[np.ndarray, int]:
+        """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions
+        computed. A prompt scored recomputes the last cached position too: its logits score the first token not
+        cached (the cache keeps scores, not logits)."""
+        cached = hit.tokens(self.prefix.block_tokens)
+        if not seq.params.prompt_logprobs:
+            if hit.whole is not None:  # the whole prompt is cached, its last logits too: nothing to compute
+                self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
+                return hit.whole.logits[None], 0
+            # After a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel).
+            logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill)
+            return logits, rest
+        if hit.whole is not None:
+            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
+            seq.prompt_logprobs = hit.scores()
+            return hit.whole.logits[None], 0
+        positions, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached - 1, fill,
+                                                      all_positions=True)
+        seq.prompt_logprobs = hit.scores() + _scores(seq, positions[:-1], cached)
+        return positions[-1:], rest
+
+    @staticmethod
+    def _choose_first(joined: list[Sequence], logits: np.ndarray):
+        """Each prefilled sequence's first token; a sequence that only scores its prompt (max_tokens 0) ends."""
+        choosing = [i for i, seq in enumerate(joined) if seq.params.max_tokens > 0]
+        for i in set(range(len(joined))) - set(choosing):
+            joined[i].finish_reason = "length"
+        if len(choosing) == len(joined):
+            return choose_next(joined, logits)
+        tokens = np.zeros(len(joined), np.int64)
+        tokens[choosing], failed = choose_next([joined[i] for i in choosing], logits[choosing])
+        return tokens, failed
 
     def _unique(self, sequences: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]]]:
         """The sequences whose prompts are computed, and the others (slot cache: the same prompt and salt as one of
@@ -276,7 +330,7 @@ class EngineCore:
             return sequences, []
         unique, forks, first = [], [], {}
         for seq in sequences:
-            source = first.setdefault((seq.cache_salt, tuple(seq.prompt_ids)), seq)
+            source = first.setdefault((seq.cache_salt, tuple(seq.prompt_ids), _scores_top(seq)), seq)
             if source is seq:
                 unique.append(seq)
             else:

@@ -40,9 +40,11 @@ class KVBatch:
         return sum(t.nbytes for t in self.past)
 
     @classmethod
-    def prefill(cls, decoder, prompts: list[list[int]]) -> tuple["KVBatch", np.ndarray, int]:
-        """Runs the prompts as one left-padded batch. Returns the batch, last-position logits [batch, vocab]
-        and the number of padding tokens computed."""
+    def prefill(cls, decoder, prompts: list[list[int]],
+                all_positions: bool = False) -> tuple["KVBatch", np.ndarray | list[np.ndarray], int]:
+        """Runs the prompts as one left-padded batch. Returns the batch, last-position logits [batch, vocab] (with
+        all_positions, per row the logits of each of its positions [its length, vocab]) and the number of padding
+        tokens computed."""
         longest = max(len(p) for p in prompts)
         input_ids = np.zeros((len(prompts), longest), np.int64)
         mask = np.zeros((len(prompts), longest), np.int64)
@@ -50,10 +52,14 @@ class KVBatch:
             input_ids[row, longest - len(prompt):] = prompt
             mask[row, longest - len(prompt):] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        logits, present = decoder.forward(input_ids, mask, positions, decoder.empty_cache(len(prompts)))
+        logits, present = decoder.forward(input_ids, mask, positions, decoder.empty_cache(len(prompts)),
+                                          **({"all_positions": True} if all_positions else {}))
         lengths = mask.sum(axis=1)
         padding = int(mask.size - lengths.sum())
-        return cls(present, mask, lengths.astype(np.int64), decoder.tensors), logits[:, -1, :], padding
+        batch = cls(present, mask, lengths.astype(np.int64), decoder.tensors)
+        if all_positions:
+            return batch, [logits[row, longest - len(p):] for row, p in enumerate(prompts)], padding
+        return batch, logits[:, -1, :], padding
 
     def step(self, decoder, next_tokens: np.ndarray) -> np.ndarray:
         """Feeds one token per row; returns logits [batch, vocab]."""
@@ -123,10 +129,12 @@ class PaddedKVCache:
     def cache_bytes(self) -> int:
         return self.batch.cache_bytes() if self.batch else 0
 
-    def prefill(self, prompts: list[list[int]], reserved: list[int]) -> tuple[np.ndarray, int, int]:
+    def prefill(self, prompts: list[list[int]], reserved: list[int],
+                all_positions: bool = False) -> tuple[np.ndarray | list[np.ndarray], int, int]:
         """Prefills the prompts as one left-padded batch and appends it. Returns each prompt's last-position
-        logits [rows, vocab], the positions computed and the padding among them."""
-        batch, logits, padding = KVBatch.prefill(self.decoder, prompts)
+        logits [rows, vocab] (with all_positions, per row its positions' [its length, vocab]), the positions
+        computed and the padding among them."""
+        batch, logits, padding = KVBatch.prefill(self.decoder, prompts, all_positions)
         computed = batch.size * batch.cache_len
         if self.batch is None:
             self.batch = batch

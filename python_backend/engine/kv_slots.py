@@ -63,9 +63,11 @@ class SlotKVCache:
     def _rows(self, start: int, stop: int) -> list[np.ndarray]:
         return [b[start:stop] for b in self._buffers]
 
-    def prefill(self, prompts: list[list[int]], reserved: list[int]) -> tuple[np.ndarray, int, int]:
+    def prefill(self, prompts: list[list[int]], reserved: list[int],
+                all_positions: bool = False) -> tuple[np.ndarray | list[np.ndarray], int, int]:
         """Writes the prompts into the next free slots as one right-padded batch. Returns each prompt's
-        last-position logits [rows, vocab], the positions computed and the padding among them."""
+        last-position logits [rows, vocab] (with all_positions, per row the logits of each of its positions
+        [its length, vocab]), the positions computed and the padding among them."""
         start, rows = self.size, len(prompts)
         if start + rows > self.slots:
             raise ValueError(f"{start + rows} rows do not fit {self.slots} KV-cache slots")
@@ -78,20 +80,26 @@ class SlotKVCache:
         for row, prompt in enumerate(prompts):
             input_ids[row, : len(prompt)] = prompt
         try:
-            logits = self.decoder.forward_in_place(input_ids, mask, self._rows(start, start + rows))
+            logits = self.decoder.forward_in_place(input_ids, mask, self._rows(start, start + rows),
+                                                   **({"all_positions": True} if all_positions else {}))
         except Exception:
             self.release(range(start, start + rows))
             raise
         self.lengths = np.concatenate([self.lengths, lengths])
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
+        computed = (rows * longest, rows * longest - int(lengths.sum()))
+        if all_positions:
+            return [logits[row, :length] for row, length in enumerate(lengths)], *computed
         # The project's fused graphs compute the head at each row's last position only (fused_graph.py).
         last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]
-        return last, rows * longest, rows * longest - int(lengths.sum())
+        return last, *computed
 
-    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill) -> tuple[np.ndarray, int, int]:
+    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill,
+                      all_positions: bool = False) -> tuple[np.ndarray, int, int]:
         """One prompt into the next free slot, whose first ``cached`` tokens ``fill(row)`` writes (a prefix cache's
-        blocks); the rest is prefilled in that slot alone. Returns the prompt's last-position logits [1, vocab], the
-        positions computed and the padding among them (none)."""
+        blocks: it may write more, which the rest's prefill overwrites); the rest is prefilled in that slot alone.
+        Returns the prompt's last-position logits [1, vocab] (with all_positions those of the rest's positions,
+        [len(prompt) - cached, vocab]), the positions computed and the padding among them (none)."""
         start = self.size
         if start >= self.slots or reserved > self.max_len or not 0 < cached < len(prompt):
             raise ValueError(f"cannot prefill {len(prompt)} tokens after {cached} cached in slot {start}")
@@ -99,13 +107,14 @@ class SlotKVCache:
         try:
             fill(row)
             logits = self.decoder.forward_in_place(np.array([prompt[cached:]], np.int64),
-                                                   np.ones((1, len(prompt)), np.int64), row)
+                                                   np.ones((1, len(prompt)), np.int64), row,
+                                                   **({"all_positions": True} if all_positions else {}))
         except Exception:
             self.release([start])
             raise
         self.lengths = np.append(self.lengths, len(prompt))
         self.reserved = np.append(self.reserved, reserved)
-        return logits[:, -1], len(prompt) - cached, 0
+        return (logits[0] if all_positions else logits[:, -1]), len(prompt) - cached, 0
 
     def adopt(self, length: int, reserved: int, fill) -> None:
         """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix

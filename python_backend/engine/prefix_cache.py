@@ -18,6 +18,11 @@ token not cached; and, for a prompt seen whole, what makes it need no computing 
   new row's slot alone (onnxruntime's CPU kernel takes several new tokens after a past only for one row). At least
   ``MIN_SUFFIX`` tokens of a prompt found in part are computed: a single new token after a past runs the kernel's
   decode path, whose rounding differs from a prefill's.
+- **Scores too.** A prompt scored (each token's log-probability: evaluation) leaves its tokens' scores with its
+  blocks, so that the shared context of a multiple-choice question is scored once: a scored prompt is matched only
+  on blocks that hold scores (with at least its top count), and the rest is computed from the last cached
+  position on, whose logits score the first token not cached. Scores are small beside the keys and values (a few
+  dozen bytes a token against 46 KB for SmolLM2) and are not counted in the budget.
 - **Inside the budget, least recently used first.** The pool's blocks are anonymous memory backed only where
   written; ``trim`` drops the least recently used entries (and gives their pages back) until the cache fits what
   the running rows' reservations leave of the budget. The engine trims after admission, before a prefill writes,
@@ -42,6 +47,8 @@ class Block:
     index: int | None  # its place in the pool (None: a whole prompt's entry with no tokens past its full blocks)
     logits: np.ndarray | None = None  # a whole prompt's entry: its last position's logits [vocab]
     cost: int = 0  # tokens of the budget it holds
+    scores: list | None = None  # its tokens' log-probabilities (TokenLogprob; None for a prompt's first token)
+    scores_top: int = 0  # how many most likely tokens each score holds
 
 
 @dataclass
@@ -54,6 +61,10 @@ class PrefixHit:
 
     def tokens(self, block_tokens: int) -> int:
         return len(self.blocks) * block_tokens + (len(self.whole.tokens) if self.whole else 0)
+
+    def scores(self) -> list:
+        """The cached tokens' scores, in order (a match for a scored prompt holds them all)."""
+        return [score for block in self.blocks + ([self.whole] if self.whole else []) for score in block.scores]
 
 
 class PrefixCache:
@@ -97,13 +108,19 @@ class PrefixCache:
         """Full blocks of a prompt found in part that may come from the cache (MIN_SUFFIX tokens are computed)."""
         return max(0, (len(prompt) - MIN_SUFFIX) // self.block_tokens)
 
-    def match(self, prompt: list[int], salt: str = "") -> PrefixHit:
+    def match(self, prompt: list[int], salt: str = "", scores_top: int | None = None) -> PrefixHit:
         """The prompt whole, else the longest run of its leading blocks held under this salt (marked recently
-        used); counts the prompt as queried and what was found as hit."""
+        used); counts the prompt as queried and what was found as hit. A prompt to score (scores_top: its top
+        count) matches only entries that hold scores."""
         found, last_key = [], self._root(salt)
+
+        def usable(block: Block | None, tokens) -> bool:
+            return block is not None and block.tokens == tokens and (
+                scores_top is None or (block.scores is not None and block.scores_top >= scores_top))
+
         for key, tokens in self._chain(prompt, salt, len(prompt) // self.block_tokens):
             block = self._blocks.get(key)
-            if block is None or block.tokens != tokens:
+            if not usable(block, tokens):
                 break
             found.append(block)
             last_key = key
@@ -111,7 +128,7 @@ class PrefixCache:
         if len(found) == len(prompt) // self.block_tokens:
             key, tail = self._whole_key(prompt, last_key)
             whole = self._blocks.get(key)
-            if whole is not None and whole.tokens == tail and whole.logits is not None:
+            if usable(whole, tail) and whole.logits is not None:
                 hit.whole = whole
         if hit.whole is None:
             del found[self.usable_blocks(prompt):]
@@ -134,25 +151,36 @@ class PrefixCache:
                 target[0, :, start:start + count] = pool[hit.whole.index, :, :count]
 
     def store(self, prompt: list[int], salt: str, row: list[np.ndarray], room_tokens: int,
-              logits: np.ndarray | None = None) -> None:
+              logits: np.ndarray | None = None, scores: list | None = None, scores_top: int = 0) -> None:
         """Copies the prompt's full blocks that are not cached yet from a row's cache, and with the prompt's last
-        logits its whole entry, evicting the least recently used entries for them, within room_tokens in all."""
+        logits its whole entry, evicting the least recently used entries for them, within room_tokens in all.
+        With the prompt's scores (one per token), every entry it passes keeps its tokens' scores."""
         b, last_key = self.block_tokens, self._root(salt)
+
+        def scored(entry: Block, start: int) -> Block:
+            if scores is not None and (entry.scores is None or entry.scores_top < scores_top):
+                entry.scores, entry.scores_top = scores[start:start + len(entry.tokens)], scores_top
+            return entry
+
         for i, (key, tokens) in enumerate(self._chain(prompt, salt, len(prompt) // b)):
             last_key = key
             if self._touch(key, tokens):
+                scored(self._blocks[key], i * b)
                 continue
             index = self._take_page(b, room_tokens)
             if index is None:
                 return
             for pool, source in zip(self._pool, row):
                 pool[index] = source[0, :, i * b:(i + 1) * b]
-            self._add(Block(key, tokens, index, cost=b))
+            self._add(scored(Block(key, tokens, index, cost=b), i * b))
         if logits is None or not self.logits_tokens:
             return
         key, tail = self._whole_key(prompt, last_key)
         cost = self.logits_tokens + (b if tail else 0)
-        if self._touch(key, tail) or len(prompt) // b * b + cost > room_tokens:
+        if self._touch(key, tail):
+            scored(self._blocks[key], len(prompt) - len(tail))
+            return
+        if len(prompt) // b * b + cost > room_tokens:
             return  # (evicting its own blocks for it would make it unreachable)
         index = None
         if tail:
@@ -165,7 +193,7 @@ class PrefixCache:
             self.trim(room_tokens - cost)
             if self.cached_tokens + cost > room_tokens:
                 return
-        self._add(Block(key, tail, index, np.array(logits, np.float32), cost))
+        self._add(scored(Block(key, tail, index, np.array(logits, np.float32), cost), len(prompt) - len(tail)))
 
     def _touch(self, key: int, tokens: tuple[int, ...]) -> bool:
         """Whether this entry is held (marked recently used); a hash collision's entry is dropped for the new one."""

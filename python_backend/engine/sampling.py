@@ -25,6 +25,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: bool = False  # hand out each chosen token's log-probability
     top_logprobs: int = 0  # and the most likely tokens' at each position
+    # Score the prompt: each prompt token's log-probability given the tokens before it (and the top_logprobs most
+    # likely tokens' there). max_tokens may then be 0: the prompt is scored and nothing generated.
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +47,32 @@ class TokenLogprob:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+SCORE_CHUNK_POSITIONS = 64  # positions log-softmaxed at once (float64: 64 x vocab x 8 bytes)
+
+
+def prompt_token_logprobs(logits: np.ndarray, tokens: list[int] | np.ndarray, top: int = 0) -> list[TokenLogprob]:
+    """Each token's log-probability under the logits of the position before it: ``logits[i]`` [vocab] scores
+    ``tokens[i]``, with the ``top`` most likely tokens there (as token_logprob does for one position)."""
+    tokens = np.asarray(tokens, np.int64)
+    scores: list[TokenLogprob] = []
+    for start in range(0, len(tokens), SCORE_CHUNK_POSITIONS):
+        chunk = logits[start:start + SCORE_CHUNK_POSITIONS].astype(np.float64)
+        chunk -= chunk.max(axis=-1, keepdims=True)
+        chunk -= np.log(np.exp(chunk).sum(axis=-1, keepdims=True))
+        picked = chunk[np.arange(len(chunk)), tokens[start:start + len(chunk)]]
+        if not top:
+            scores += [TokenLogprob(float(v)) for v in picked]
+            continue
+        k = min(top, chunk.shape[-1])
+        best = np.argpartition(-chunk, k - 1, axis=-1)[:, :k]
+        values = np.take_along_axis(chunk, best, axis=-1)
+        order = np.argsort(-values, axis=-1, kind="stable")
+        best, values = np.take_along_axis(best, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+        scores += [TokenLogprob(float(v), tuple(int(i) for i in ids), tuple(float(x) for x in vals))
+                   for v, ids, vals in zip(picked, best, values)]
+    return scores
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
@@ -68,10 +97,12 @@ def validate_sampling_values(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     seed: int | None = None,
+    prompt_logprobs: bool = False,
 ) -> None:
     """Raise InvalidRequestError naming the first bad value."""
-    if max_tokens <= 0:
-        raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
+    if max_tokens < 0 or (max_tokens == 0 and not prompt_logprobs):
+        raise InvalidRequestError(f"max_tokens must be > 0 (or 0 with return_prompt_log_probs: score the prompt "
+                                  f"only), got {max_tokens}")
     if not np.isfinite(temperature) or temperature < 0:
         raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
     if top_k < 0:

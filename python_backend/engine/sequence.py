@@ -34,6 +34,9 @@ class Sequence:
     guide: object | None = field(default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when params.logprobs
+    # With params.prompt_logprobs, after the prefill: one per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "error"
     emitted: int = 0  # how many output ids were already handed out
     final_sent: bool = False
@@ -83,6 +86,13 @@ class Sequence:
         new = self.output_ids[start:end]
         self.emitted = max(self.emitted, end)
         return new, (self.logprobs[start:start + len(new)] if self.params.logprobs else None)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's scores the first time they are asked for (with the sequence's first tokens), else None."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def _stop_prefix_len(self) -> int:
         longest = 0

@@ -7,7 +7,8 @@ A decoder (python_backend/runtime/onnx_decoder.py, onnx_device_decoder.py, tenso
 - ``empty_cache(batch_size)``: the past of a prefill, one [batch, kv_heads, 0, head_dim] tensor per layer key/value;
 - ``forward(input_ids, attention_mask, position_ids, past)``: the three int64 numpy arrays [batch, new] (the mask
   [batch, past + new]) and the past in its own tensors; returns the last position's logits as a float32 numpy array
-  [batch, 1, vocab] and the present (past + new) in its own tensors.
+  [batch, 1, vocab] and the present (past + new) in its own tensors. A runtime whose ``scores_prompts`` is true
+  also takes ``all_positions=True`` and returns every new position's logits [batch, new, vocab] (a prompt scored).
 
 Token ids, masks and positions are small and cross to the device at every step; the cache never leaves its device;
 only the last position's logits come back to the host, where sampling runs.

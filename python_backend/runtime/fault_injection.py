@@ -23,18 +23,19 @@ class FaultyDecoder:
         self.decoder, self.prefill_token, self.decode_token = decoder, prefill_token, decode_token
         self.cache_shape, self.vocab_size, self.tensors = decoder.cache_shape, decoder.vocab_size, decoder.tensors
         self.kv_layout = getattr(decoder, "kv_layout", "padded")
+        self.scores_prompts = getattr(decoder, "scores_prompts", False)
         self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
 
     def empty_cache(self, batch_size: int):
         return self.decoder.empty_cache(batch_size)
 
-    def forward(self, input_ids, attention_mask, position_ids, past):
+    def forward(self, input_ids, attention_mask, position_ids, past, **options):
         self._check(input_ids, attention_mask, prefill=past[0].shape[2] == 0)
-        return self.decoder.forward(input_ids, attention_mask, position_ids, past)
+        return self.decoder.forward(input_ids, attention_mask, position_ids, past, **options)
 
-    def forward_in_place(self, input_ids, attention_mask, cache):
+    def forward_in_place(self, input_ids, attention_mask, cache, **options):
         self._check(input_ids, attention_mask, prefill=input_ids.shape[1] == attention_mask.shape[1])
-        return self.decoder.forward_in_place(input_ids, attention_mask, cache)
+        return self.decoder.forward_in_place(input_ids, attention_mask, cache, **options)
 
     def _check(self, input_ids, attention_mask, prefill: bool) -> None:
         if prefill:

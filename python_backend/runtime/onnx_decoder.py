@@ -56,6 +56,20 @@ def file_cache_shape(model_path: str | os.PathLike) -> CacheShape:
                       dtype=onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
 
 
+LOGITS_POSITIONS = "logits_positions"  # the export's input: which new positions go through the LM head
+
+
+def logits_positions(new: int, all_positions: bool) -> np.ndarray:
+    """The export's logits_positions: the last new position (rows are left-padded, so it is every row's last), or
+    every new position to score a prompt."""
+    return np.arange(new, dtype=np.int64) if all_positions else np.array([new - 1], np.int64)
+
+
+def takes_logits_positions(session: ort.InferenceSession) -> bool:
+    """Whether the graph takes logits_positions (an export older than that input has the last position only)."""
+    return any(i.name == LOGITS_POSITIONS for i in session.get_inputs())
+
+
 def graph_vocab_size(session: ort.InferenceSession) -> int:
     """The logits' last dimension: fixed in the graphs we know; else found by one forward pass of one token."""
     size = session.get_outputs()[0].shape[-1]
@@ -63,6 +77,8 @@ def graph_vocab_size(session: ort.InferenceSession) -> int:
         return size
     feed = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
             "position_ids": np.zeros((1, 1), np.int64)}
+    if takes_logits_positions(session):
+        feed[LOGITS_POSITIONS] = logits_positions(1, False)
     for spec in session.get_inputs():
         if spec.name not in feed:  # a past key/value: [batch 1, kv_heads, past 0, head_dim]
             feed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), ORT_TO_NUMPY[spec.type])
@@ -81,6 +97,7 @@ class OnnxDecoder:
         self.vocab_size = graph_vocab_size(self.session)
         self._past_names = self.cache_shape.cache_names()
         self._output_names = ["logits"] + self.cache_shape.present_names()
+        self.scores_prompts = takes_logits_positions(self.session)
 
     def empty_cache(self, batch_size: int) -> list[np.ndarray]:
         s = self.cache_shape
@@ -92,13 +109,20 @@ class OnnxDecoder:
         attention_mask: np.ndarray,
         position_ids: np.ndarray,
         past: list[np.ndarray],
+        all_positions: bool = False,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Returns the last position's logits [batch, 1, vocab] and the new cache (past + this step)."""
+        """Returns the last position's logits [batch, 1, vocab] (with all_positions every position's, [batch, new,
+        vocab]) and the new cache (past + this step)."""
         feed = {
             "input_ids": input_ids.astype(np.int64, copy=False),
             "attention_mask": attention_mask.astype(np.int64, copy=False),
             "position_ids": position_ids.astype(np.int64, copy=False),
         }
+        if self.scores_prompts:
+            feed[LOGITS_POSITIONS] = logits_positions(input_ids.shape[1], all_positions)
+        elif all_positions:
+            raise ValueError("this export computes the last position's logits only: export it again (make model) "
+                             "to score prompts")
         feed.update(zip(self._past_names, past))
         logits, *present = self.session.run(self._output_names, feed)
-        return logits[:, -1:, :], present
+        return (logits if all_positions else logits[:, -1:, :]), present

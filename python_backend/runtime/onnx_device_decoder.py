@@ -15,7 +15,8 @@ import numpy as np
 import onnxruntime as ort
 
 from python_backend.runtime.decoder import TorchTensors
-from python_backend.runtime.onnx_decoder import graph_cache_shape, graph_vocab_size
+from python_backend.runtime.onnx_decoder import (LOGITS_POSITIONS, graph_cache_shape, graph_vocab_size,
+                                                 logits_positions, takes_logits_positions)
 
 
 class OnnxDeviceDecoder:
@@ -30,6 +31,7 @@ class OnnxDeviceDecoder:
         self._device_type = device.type
         self._device_id = device.index or 0
         self._cache_dtype = np.dtype(self.cache_shape.dtype)
+        self.scores_prompts = takes_logits_positions(session)
 
     @classmethod
     def on_cpu(cls, model_path: str | os.PathLike, intra_op_threads: int = 0) -> "OnnxDeviceDecoder":
@@ -41,12 +43,16 @@ class OnnxDeviceDecoder:
         s = self.cache_shape
         return [self.tensors.zeros((batch_size, s.num_kv_heads, 0, s.head_dim), s.dtype) for _ in self._past_names]
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: list):
-        """Returns the last position's logits [batch, 1, vocab] (numpy, host) and the present (device tensors)."""
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: list,
+                all_positions: bool = False):
+        """Returns the last position's logits [batch, 1, vocab] (with all_positions every position's, [batch, new,
+        vocab]; numpy, host) and the present (device tensors)."""
         binding = self.session.io_binding()
         small = [(name, self.tensors.upload(array.astype(np.int64, copy=False)))
                  for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                      ("position_ids", position_ids))]
+        if self.scores_prompts:
+            small.append((LOGITS_POSITIONS, self.tensors.upload(logits_positions(input_ids.shape[1], all_positions))))
         for name, tensor in small:
             self._bind_input(binding, name, tensor, np.int64)
         for name, tensor in zip(self._past_names, past):
@@ -56,7 +62,7 @@ class OnnxDeviceDecoder:
         binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
         logits, *present = (self.tensors.torch.from_dlpack(value) for value in binding.get_outputs())
-        return logits[:, -1:, :].float().cpu().numpy(), present
+        return (logits if all_positions else logits[:, -1:, :]).float().cpu().numpy(), present
 
     def _bind_input(self, binding, name: str, tensor, dtype) -> None:
         if not tensor.is_contiguous():

@@ -3,8 +3,9 @@
 The graph is onnxruntime-genai's model builder's (scripts/prepare/fused_graph.py): ``GroupQueryAttention`` with
 rotary embedding inside, fused norms, one packed QKV MatMul. Its interface: inputs ``input_ids`` [rows, new] and
 ``attention_mask`` [rows, total] (int64), ``past_key_values.{i}.key/.value``; outputs ``logits`` [rows, 1, vocab]
-(each row's last position: the project's build gathers it before the LM head; a graph without that gives
-[rows, new, vocab]) and ``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
+(each row's last position: the project's build gathers it before the LM head; with its input
+``logits_all_positions`` set to 1, or from a graph without that gather, [rows, new, vocab]) and
+``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
 
 Bound to one buffer for both the past and the present, ``GroupQueryAttention`` appends each row's new keys and
 values at that row's own length, where the mask says it ends, instead of copying the cache into a longer present:
@@ -26,6 +27,7 @@ from python_backend.runtime.decoder import CacheShape, HostTensors
 from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
 
 FUSED_ATTENTION_OP = "GroupQueryAttention"
+ALL_POSITIONS_INPUT = "logits_all_positions"  # scripts/prepare/fused_graph.py
 
 
 def is_fused_graph(model_path: str | os.PathLike) -> bool:
@@ -40,8 +42,8 @@ def is_fused_graph(model_path: str | os.PathLike) -> bool:
 class OnnxSlotDecoder:
     """``forward_in_place(input_ids, attention_mask, cache)``: ``cache`` holds one contiguous array per layer key and
     value, [rows, kv_heads, max_len, head_dim] (views of the slots' buffers), bound as past and present at once.
-    Returns the logits of each row's last position [rows, 1, vocab] (or of every new position, [rows, new, vocab],
-    from a graph built without that gather)."""
+    Returns the logits of each row's last position [rows, 1, vocab], or with ``all_positions`` of every new
+    position [rows, new, vocab] (scoring a prompt)."""
 
     kv_layout = "slots"
     tensors = HostTensors()
@@ -50,16 +52,29 @@ class OnnxSlotDecoder:
                  session: ort.InferenceSession | None = None):
         self.session = session or cpu_session(model_path, intra_op_threads)
         self.cache_shape: CacheShape = graph_cache_shape(self.session)
-        self.vocab_size = int(next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1])
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        self.vocab_size = int(logits.shape[-1])
         self._past_names = self.cache_shape.cache_names()
         self._present_names = self.cache_shape.present_names()
         self._bound = None
+        self.has_position_switch = any(i.name == ALL_POSITIONS_INPUT for i in self.session.get_inputs())
+        self.gathers_last = logits.shape[1] == 1 and not self.has_position_switch
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether forward_in_place can give every position's logits (a graph built before the switch cannot)."""
+        return not self.gathers_last
 
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                         cache: list[np.ndarray]) -> np.ndarray:
+                         cache: list[np.ndarray], all_positions: bool = False) -> np.ndarray:
+        if all_positions and not self.scores_prompts:
+            raise ValueError("this fused graph computes each row's last logits only: build the variant again "
+                             "(make model QUANT=...) to score prompts")
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if self.has_position_switch:
+            binding.bind_cpu_input(ALL_POSITIONS_INPUT, np.array([int(all_positions)], np.int64))
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[-1].numpy()

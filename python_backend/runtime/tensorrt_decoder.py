@@ -23,8 +23,9 @@ import numpy as np
 
 from python_backend.runtime import engine_manifest
 from python_backend.runtime.decoder import CacheShape, RuntimeUnavailableError, TorchTensors
+from python_backend.runtime.onnx_decoder import logits_positions
 
-TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
+TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "logits_positions")
 LOGITS = "logits"
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1  # the order of trt_profiles.optimization_profiles
 PROFILE_NAMES = ("decode", "prefill")
@@ -163,6 +164,8 @@ class TensorRTDecoder:
 
     # --- the decoder interface ---
 
+    scores_prompts = False  # its engine's profiles hold logits_positions to one position (the last)
+
     def empty_cache(self, batch_size: int) -> list:
         s = self.cache_shape
         return [self.tensors.zeros((batch_size, s.num_kv_heads, 0, s.head_dim), s.dtype) for _ in self._past_names]
@@ -178,7 +181,8 @@ class TensorRTDecoder:
         with torch.cuda.device(self.tensors.device):
             self._stream.wait_stream(torch.cuda.current_stream(self.tensors.device))
             with torch.cuda.stream(self._stream):
-                arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+                arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                          "logits_positions": logits_positions(input_ids.shape[1], False)}
                 feeds = {name: self.tensors.upload(np.asarray(array, np.int64)) for name, array in arrays.items()}
                 feeds.update(zip(self._past_names, past))
                 feeds = {name: self._bindable(tensor, self._io[name].dtype) for name, tensor in feeds.items()}

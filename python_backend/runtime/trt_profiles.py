@@ -59,7 +59,7 @@ def _shapes(limits: DecoderLimits, point: Point) -> dict[str, Shape]:
     token_shape = (point.batch, point.new)
     cache_shape = (point.batch, limits.num_kv_heads, point.past, limits.head_dim)
     shapes = {"input_ids": token_shape, "attention_mask": (point.batch, point.past + point.new),
-              "position_ids": token_shape}
+              "position_ids": token_shape, "logits_positions": (1,)}  # the last position: scoring is CPU-only
     for layer in range(limits.num_layers):
         for kind in ("key", "value"):
             shapes[f"past_key_values.{layer}.{kind}"] = cache_shape

@@ -23,6 +23,7 @@ class LlmChunk(NamedTuple):
     logprobs: list[float] | None = None
     top_logprobs: list[list[float]] | None = None
     top_ids: list[list[int]] | None = None
+    prompt_scores: dict[str, np.ndarray] | None = None  # the first response of a prompt scored: the llm's arrays
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Delta:
     logprobs: list[float] = field(default_factory=list)  # per token in ids, when the llm sent them
     top_logprobs: list[list[float]] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
+    prompt_scores: dict[str, np.ndarray] | None = None  # prompt_log_probs (and its top arrays), when asked for
 
     @property
     def token_count(self) -> int:
@@ -44,6 +46,8 @@ class Delta:
         self.logprobs += chunk.logprobs or []
         self.top_logprobs += chunk.top_logprobs or []
         self.top_ids += chunk.top_ids or []
+        if chunk.prompt_scores is not None:
+            self.prompt_scores = chunk.prompt_scores
 
 
 class StopStrings:
@@ -148,6 +152,8 @@ def response_outputs(delta: Delta, request: PreparedRequest, first: bool) -> dic
         shape = (1, delta.token_count, request.num_top_log_probs)
         outputs["top_log_probs"] = np.array(delta.top_logprobs, np.float32).reshape(shape)
         outputs["top_log_prob_ids"] = np.array(delta.top_ids, np.int32).reshape(shape)
+    if delta.prompt_scores is not None:
+        outputs.update({name: value[None] for name, value in delta.prompt_scores.items()})
     return outputs
 
 

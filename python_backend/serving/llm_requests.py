@@ -11,7 +11,7 @@ from python_backend.engine.sequence import Sequence
 from python_backend.errors import InvalidRequestError
 from python_backend.guided.grammars import GuideSpec, guide_spec
 from python_backend.serving.request_inputs import (TensorGetter, decode_stop_sequences, logit_bias, logprob_request,
-                                                  sampling_values, scalar)
+                                                  prompt_logprob_request, sampling_values, scalar)
 
 
 MAX_CACHE_SALT_BYTES = 256
@@ -54,10 +54,23 @@ def sequence_from_inputs(get: TensorGetter, eos_token_ids: tuple[int, ...], limi
         logit_bias=logit_bias(get, limits.vocab_size),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprob_request(get),
         stop_token_sequences=_stop_sequences(get, limits),
         end_ids=(end_id,) if end_id >= 0 else tuple(eos_token_ids),
     )
     return Sequence(prompt_ids=prompt, params=params, cache_salt=cache_salt(get), priority=priority(get))
+
+
+def prompt_score_arrays(scores: list, top: int) -> dict[str, np.ndarray]:
+    """The llm model's prompt_log_probs [tokens] (0.0 for the first token, which has nothing before it) and, with a
+    top count, prompt_top_log_probs / prompt_top_log_prob_ids [tokens, top] (zeros and -1 for the first token)."""
+    arrays = {"prompt_log_probs": np.array([0.0 if s is None else s.logprob for s in scores], np.float32)}
+    if top:
+        arrays["prompt_top_log_probs"] = np.array(
+            [[0.0] * top if s is None else s.top_logprobs[:top] for s in scores], np.float32).reshape(-1, top)
+        arrays["prompt_top_log_prob_ids"] = np.array(
+            [[-1] * top if s is None else s.top_ids[:top] for s in scores], np.int32).reshape(-1, top)
+    return arrays
 
 
 def priority(get: TensorGetter) -> int:

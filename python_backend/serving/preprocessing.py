@@ -11,7 +11,7 @@ import numpy as np
 from python_backend.errors import InvalidRequestError
 from python_backend.serving.llm_requests import cache_salt, priority
 from python_backend.serving.request_inputs import (TensorGetter, encode_stop_sequences, logprob_request,
-                                                  sampling_values, scalar, text_list)
+                                                  prompt_logprob_request, sampling_values, scalar, text_list)
 from python_backend.serving.tokenization import PromptTokenizer
 
 NO_END_ID = -1  # tells the llm model to stop at the model's own EOS ids
@@ -29,6 +29,7 @@ class PreparedRequest:
     return_num_output_tokens: bool = False
     return_log_probs: bool = False
     num_top_log_probs: int = 0
+    return_prompt_log_probs: bool = False
 
 
 class Preprocessor:
@@ -70,6 +71,7 @@ class Preprocessor:
             "frequency_penalty": np.asarray([values["frequency_penalty"]], np.float32),
             "return_log_probs": np.asarray([return_log_probs], np.bool_),
             "num_top_log_probs": np.asarray([top], np.int32),
+            "return_prompt_log_probs": np.asarray([prompt_logprob_request(get)], np.bool_),
         }
         salt = cache_salt(get)  # checked here too, so that a bad one fails before tokenizing
         if salt:
@@ -92,6 +94,7 @@ class Preprocessor:
             return_num_output_tokens=bool(scalar(get, "return_num_output_tokens", False)),
             return_log_probs=return_log_probs,
             num_top_log_probs=top,
+            return_prompt_log_probs=prompt_logprob_request(get),
         )
 
     def _prompt(self, get: TensorGetter) -> str:

@@ -54,8 +54,13 @@ def sampling_values(get: TensorGetter) -> tuple[dict, int | None]:
     }
     seed = scalar(get, "seed")
     seed = None if seed is None else int(seed)
-    validate_sampling_values(**values, seed=seed)
+    validate_sampling_values(**values, seed=seed, prompt_logprobs=prompt_logprob_request(get))
     return values, seed
+
+
+def prompt_logprob_request(get: TensorGetter) -> bool:
+    """return_prompt_log_probs: score each prompt token (with num_top_log_probs' most likely tokens there)."""
+    return bool(scalar(get, "return_prompt_log_probs", False))
 
 
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit is 300

@@ -41,6 +41,7 @@ INPUT_TYPES = {
     "return_num_output_tokens": ("BOOL", np.bool_),
     "return_log_probs": ("BOOL", np.bool_),
     "num_top_log_probs": ("INT32", np.int32),
+    "return_prompt_log_probs": ("BOOL", np.bool_),
     "cache_salt": ("BYTES", np.object_),
     "guided_decoding_guide_type": ("BYTES", np.object_),
     "guided_decoding_guide": ("BYTES", np.object_),

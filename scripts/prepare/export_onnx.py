@@ -33,7 +33,7 @@ from scripts.paths import EXPORT_DIR  # noqa: E402
 from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 
-EXPORT_FORMAT = 4  # bump when the exported graph changes, so that `make model` exports again
+EXPORT_FORMAT = 5  # bump when the exported graph changes, so that `make model` exports again
 DEFAULT_OUTPUT = EXPORT_DIR
 PARITY_PROMPTS = [
     "What is the capital of France?",
@@ -120,21 +120,23 @@ def load_source(source: Path, output: Path):
 
 
 class DecoderWithCache(torch.nn.Module):
-    """forward(input_ids, attention_mask, position_ids, k0, v0, k1, v1, ...) -> (last-position logits, k0', v0', ...)."""
+    """forward(input_ids, attention_mask, position_ids, logits_positions, k0, v0, k1, v1, ...) -> (logits of the
+    new positions listed in logits_positions, k0', v0', ...)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids, attention_mask, position_ids, logits_positions, *past):
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
-        # logits_to_keep=1: only the last position goes through the LM head. Generation needs nothing else, and
-        # full-sequence logits of a prefill (batch x length x 49k vocab) would cost more than the prefill itself.
+        # Only the positions asked for go through the LM head: the last one to generate ([new - 1]: rows are
+        # left-padded), every one to score a prompt. Full-sequence logits of every prefill (batch x length x 49k
+        # vocab) would cost more than the prefill itself.
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=logits_positions,
         )
         present = []
         for layer in out.cache.layers:
@@ -153,6 +155,7 @@ def export_onnx(model, onnx_path: Path) -> None:
         torch.ones(batch, seq, dtype=torch.int64),
         torch.ones(batch, past_len + seq, dtype=torch.int64),
         torch.arange(past_len, past_len + seq, dtype=torch.int64).repeat(batch, 1),
+        torch.arange(seq - 2, seq, dtype=torch.int64),
         *past,
     )
     dyn = torch.export.Dim.DYNAMIC
@@ -160,6 +163,7 @@ def export_onnx(model, onnx_path: Path) -> None:
         "input_ids": {0: dyn, 1: dyn},
         "attention_mask": {0: dyn, 1: dyn},
         "position_ids": {0: dyn, 1: dyn},
+        "logits_positions": {0: dyn},
         "past": tuple({0: dyn, 2: dyn} for _ in past),
     }
     kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
@@ -170,7 +174,8 @@ def export_onnx(model, onnx_path: Path) -> None:
             DecoderWithCache(model).eval(),
             args,
             str(onnx_path),
-            input_names=["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{n}" for n in kv_names],
+            input_names=["input_ids", "attention_mask", "position_ids", "logits_positions"]
+            + [f"past_key_values.{n}" for n in kv_names],
             output_names=["logits"] + [f"present.{n}" for n in kv_names],
             dynamic_shapes=dynamic_shapes,
             dynamo=True,

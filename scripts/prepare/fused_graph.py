@@ -61,18 +61,26 @@ def lm_head(model: onnx.ModelProto) -> str:
     raise ValueError("the fused graph has no MatMul producing 'logits'")
 
 
+ALL_POSITIONS_INPUT = "logits_all_positions"
+
+
 def logits_of_last_positions(model: onnx.ModelProto) -> None:
     """Makes the graph compute the LM head for each row's last position only: ``logits`` becomes [rows, 1, vocab].
-    The engine reads no other position, so the head (49,152 x 576 for SmolLM2) over every other position of a
-    prompt is wasted work; the last positions' logits are the same bits as before.
+    The engine reads no other position while it generates, so the head (49,152 x 576 for SmolLM2) over every other
+    position of a prompt is wasted work; the last positions' logits are the same bits as before.
     A row's last position among its new tokens: min(its mask's sum, new) - 1 (a right-padded first prompt: its
-    length - 1; a prompt's rest after a past, or a decode step: new - 1)."""
+    length - 1; a prompt's rest after a past, or a decode step: new - 1).
+
+    Scoring a prompt (its tokens' log-probabilities) needs every position: the graph's input
+    ``logits_all_positions`` (int64 [1]: 0 for the last positions) set to 1 gives [rows, new, vocab], each row's new
+    positions in order (a right-padded row's padding positions hold logits nobody reads). An input, not an
+    initializer with a default: onnxruntime's IOBinding does not take an overridable initializer by name."""
     graph = model.graph
     head = next(n for n in graph.node if "logits" in n.output)
     hidden_size = next(i for i in graph.initializer if i.name == head.input[1]).dims[0]
     hidden, prefix = head.input[0], "/last_position"
 
-    def const(name: str, values: list[int]) -> str:
+    def const(name: str, values: list[int] | int) -> str:
         graph.initializer.append(onnx.numpy_helper.from_array(np.array(values, np.int64), f"{prefix}/{name}"))
         return f"{prefix}/{name}"
 
@@ -80,19 +88,30 @@ def logits_of_last_positions(model: onnx.ModelProto) -> None:
         nodes.append(onnx.helper.make_node(op, inputs, [f"{prefix}/{name}"], name=f"{prefix}/{name}", **attributes))
         return f"{prefix}/{name}"
 
+    graph.input.append(onnx.helper.make_tensor_value_info(ALL_POSITIONS_INPUT, onnx.TensorProto.INT64, [1]))
     nodes: list[onnx.NodeProto] = []
+    every = ALL_POSITIONS_INPUT  # 0 or 1
     lengths = node("ReduceSum", ["attention_mask", const("axis_1", [1])], "lengths", keepdims=1)  # [rows, 1]
     ids_shape = node("Shape", ["input_ids"], "ids_shape")
     new = node("Slice", [ids_shape, const("one", [1]), const("two", [2])], "new")
     last = node("Sub", [node("Min", [lengths, new], "ends"), const("one_again", [1])], "last")
+    # Positions gathered: [last] (every = 0) or [0, 1, ..., new - 1] (every = 1): offsets 0..count-1 added to
+    # last * (1 - every), where count = 1 + every * (new - 1).
+    count = node("Add", [const("one_count", [1]), node("Mul", [every, node("Sub", [new, const("one_less", [1])],
+                                                                          "new_minus_one")], "extra")], "count")
+    offsets = node("Range", [const("zero_scalar", 0), node("Squeeze", [count], "count_scalar"),
+                             const("one_scalar", 1)], "offsets")  # [count]
+    start = node("Mul", [last, node("Sub", [const("one_keep", [1]), every], "keep_last")], "start")  # [rows, 1]
+    positions = node("Add", [start, node("Unsqueeze", [offsets, const("axis_0", [0])], "offsets_2d")],
+                     "positions")  # [rows, count]
     rows = node("Slice", [ids_shape, const("zero", [0]), const("one_end", [1])], "rows")
-    target = node("Concat", [rows, const("one_position", [1]), const("hidden_size", [hidden_size])], "target", axis=0)
-    index = node("Expand", [node("Unsqueeze", [last, const("axis_2", [2])], "last_3d"), target], "index")
-    gathered = node("GatherElements", [hidden, index], "last_hidden", axis=1)  # [rows, 1, hidden]
+    target = node("Concat", [rows, count, const("hidden_size", [hidden_size])], "target", axis=0)
+    index = node("Expand", [node("Unsqueeze", [positions, const("axis_2", [2])], "positions_3d"), target], "index")
+    gathered = node("GatherElements", [hidden, index], "last_hidden", axis=1)  # [rows, count, hidden]
     head.input[0] = gathered
     position = list(graph.node).index(head)
     for offset, new_node in enumerate(nodes):
         graph.node.insert(position + offset, new_node)
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[1].Clear()
-    logits.type.tensor_type.shape.dim[1].dim_value = 1
+    logits.type.tensor_type.shape.dim[1].dim_param = "positions"

@@ -42,7 +42,7 @@ from scripts.prepare import block_quantization, fused_graph  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 4  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 5  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 
 

@@ -25,6 +25,7 @@ from python_backend.serving.tokenization import PromptTokenizer
 from python_backend.serving.triton_glue import error_response, model_config, parameters, request_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PROMPT_SCORES = ("prompt_log_probs", "prompt_top_log_probs", "prompt_top_log_prob_ids")
 
 
 class TritonPythonModel:
@@ -124,7 +125,7 @@ def _llm_stream(tensors, key, on_first):
     request = pb_utils.InferenceRequest(
         model_name="llm", inputs=tensors + [key_tensor],
         requested_output_names=["output_ids", "finished", "error", "finish_reason", "output_log_probs",
-                                "top_log_probs", "top_log_prob_ids"],
+                                "top_log_probs", "top_log_prob_ids", *PROMPT_SCORES],
     )
     for response in request.exec(decoupled=True):
         _raise_for(response)
@@ -149,6 +150,8 @@ def _llm_chunk(response, ids, finished):
 
     reason, logprobs, top, top_ids = (output(name) for name in
                                       ("finish_reason", "output_log_probs", "top_log_probs", "top_log_prob_ids"))
+    scores = {name: output(name) for name in PROMPT_SCORES}
+    scores = {name: value.reshape(value.shape[1:]) for name, value in scores.items() if value is not None}
     if reason is not None:
         reason = reason.reshape(-1)[0]
         reason = reason.decode() if isinstance(reason, bytes) else str(reason)
@@ -157,6 +160,7 @@ def _llm_chunk(response, ids, finished):
         None if logprobs is None else logprobs.reshape(-1).tolist(),
         None if top is None or not ids else top.reshape(len(ids), -1).tolist(),
         None if top_ids is None or not ids else top_ids.reshape(len(ids), -1).tolist(),
+        scores or None,
     )
 
 

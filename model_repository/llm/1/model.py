@@ -20,7 +20,7 @@ from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.factory import RuntimeSettings, open_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
-from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, sequence_from_inputs
+from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, prompt_score_arrays, sequence_from_inputs
 from python_backend.serving.request_inputs import scalar
 from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
 from python_backend.serving.triton_metrics import TritonMetricsObserver
@@ -126,10 +126,10 @@ def _token_outputs(seq, ids, finished, logprobs):
     outputs = _outputs(ids, finished)
     if finished:
         outputs.append(pb_utils.Tensor("finish_reason", np.array([[seq.finish_reason.encode()]], np.object_)))
+    top = seq.params.top_logprobs
     if logprobs is not None:
         outputs.append(pb_utils.Tensor("output_log_probs",
                                        np.asarray([[lp.logprob for lp in logprobs]], np.float32).reshape(1, -1)))
-        top = seq.params.top_logprobs
         if top:
             shape = (1, len(logprobs), top)
             outputs += [
@@ -138,6 +138,9 @@ def _token_outputs(seq, ids, finished, logprobs):
                 pb_utils.Tensor("top_log_prob_ids",
                                 np.asarray([lp.top_ids for lp in logprobs], np.int32).reshape(shape)),
             ]
+    prompt = seq.take_prompt_logprobs()
+    if prompt is not None:
+        outputs += [pb_utils.Tensor(name, value[None]) for name, value in prompt_score_arrays(prompt, top).items()]
     return outputs
 
 
