@@ -180,9 +180,17 @@ def test_a_completions_batch_answers_as_the_same_prompts_answer_live(client, mod
               for i, prompt in enumerate(["The capital of France is", "One, two,", "Water boils at"])}
     bodies["ids-echo"] = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS, "echo": True, "prompt": [
         tokenizer.encode(p, apply_chat_template=False) for p in ("Water boils at", "One, two,")]}
+    bodies["ids-scored"] = {"model": model, "temperature": 0, "max_tokens": 1, "echo": True, "logprobs": 1,
+                            "prompt": [tokenizer.encode(p, apply_chat_template=False)
+                                       for p in ("Water boils at 100", "Water boils at 90")]}
     batch, outputs, errors = run_batch(client, jsonl([line(cid, body, COMPLETIONS) for cid, body in bodies.items()]),
                                        COMPLETIONS)
-    assert (batch.status, batch.request_counts.completed, errors) == ("completed", 4, [])
+    assert (batch.status, batch.request_counts.completed, errors) == ("completed", 5, [])
+    scored = [c["logprobs"] for c in by_id(outputs)["ids-scored"]["response"]["body"]["choices"]]
+    live = client.completions.create(**bodies["ids-scored"]).choices
+    assert [s["token_logprobs"] for s in scored] == [c.logprobs.token_logprobs for c in live]
+    assert scored[0]["token_logprobs"][0] is None
+    assert len(scored[0]["tokens"]) == len(bodies["ids-scored"]["prompt"][0]) + 1
     echoed = [c["text"] for c in by_id(outputs)["ids-echo"]["response"]["body"]["choices"]]
     assert echoed == [p + client.completions.create(**{**bodies["text-0"], "prompt": p}).choices[0].text
                       for p in ("Water boils at", "One, two,")]

@@ -389,6 +389,24 @@ def test_batch_answers_equal_the_same_requests_sent_live_one_by_one(api, model, 
 
 
 @pytest.mark.server
+def test_an_evaluation_line_scores_its_prompts_as_live(api, model, tokenizer, tmp_path):
+    """lm-eval's request as a batch line: token-id prompts, echo, logprobs, max_tokens 0 (score only)."""
+    from openai import OpenAI
+
+    body = {"model": model, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0,
+            "prompt": [tokenizer.encode(p, apply_chat_template=False) for p in ("Bees make honey", "Bees make cars")]}
+    lines = [{"custom_id": "eval", "method": "POST", "url": "/v1/completions", "body": body}]
+    out = tmp_path / "out.jsonl"
+    assert run_batch.main(["-i", str(write_lines(tmp_path / "in.jsonl", lines)), "-o", str(out), "--url", api]) == 0
+    [record] = records(out)
+    choices = record["response"]["body"]["choices"]
+    live = OpenAI(base_url=f"{api}/v1", api_key="unused").completions.create(**body).choices
+    assert [c["logprobs"]["token_logprobs"] for c in choices] == [c.logprobs.token_logprobs for c in live]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [len(p) for p in body["prompt"]]
+    assert sum(choices[0]["logprobs"]["token_logprobs"][1:]) > sum(choices[1]["logprobs"]["token_logprobs"][1:])
+
+
+@pytest.mark.server
 def test_a_run_interrupted_on_the_real_front_resumes_with_each_custom_id_once(api, model, tmp_path):
     lines = [batch_line(f"t{i:02d}", f"Count from {i} to {i + 9}.", model=model, max_tokens=16, temperature=0)
              for i in range(40)]
