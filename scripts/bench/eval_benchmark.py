@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "eval-benchmark")
     args = parser.parse_args(argv)
     settings = json.loads((args.model_dir / "llm_settings.json").read_text())
+    args.output.mkdir(parents=True, exist_ok=True)
     rows = []
     with running_server(log_path=args.output / "server.log", explicit_models=SERVED_MODELS,
                         env={MODEL_DIR_ENV: str(args.model_dir.resolve())}) as ports, \
