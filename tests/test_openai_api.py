@@ -272,6 +272,13 @@ def test_echo_with_logprobs_scores_each_prompt_as_lm_eval_asks(client, model, hf
     # The more likely continuation is the one transformers prefers too.
     totals = [sum(c.logprobs.token_logprobs[len(prompts[0]) - 2:len(ids)]) for c, ids in zip(answer.choices, prompts)]
     assert totals[0] > totals[1]
+    # With n = 2: prompt-major, each prompt's two choices scored alike.
+    twice = client.completions.create(model=model, prompt=prompts, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                      n=2)
+    assert [c.index for c in twice.choices] == [0, 1, 2, 3]
+    for choice, alone in zip(twice.choices, [c for c in answer.choices for _ in range(2)]):
+        assert choice.logprobs.tokens == alone.logprobs.tokens and choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:-1] == pytest.approx(alone.logprobs.token_logprobs[1:-1], abs=1e-5)
 
 
 def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, model, hf_model, tokenizer):
