@@ -105,14 +105,14 @@ class ToolUse:
         <tool_call> text as content); else the piece as it is."""
         names = {f.name for f in self.functions}
         if piece.finish_reason == "stop":
-            calls = parse_calls(piece.text, names)
-            if calls:
-                return replace(piece, tool_calls=calls if self.parallel else calls[:1], finish_reason="tool_calls")
+            calls, finish_reason = parse_calls(piece.text, names), "tool_calls"
         elif piece.finish_reason == "length":
-            calls = cut_calls(piece.text, names, self.forced)
-            if calls:
-                return replace(piece, tool_calls=calls if self.parallel else calls[:1])
-        return piece
+            calls, finish_reason = cut_calls(piece.text, names, self.forced), "length"
+        else:
+            calls = None
+        if not calls:
+            return piece
+        return replace(piece, tool_calls=calls if self.parallel else calls[:1], finish_reason=finish_reason)
 
 
 def check_tools(tools: list[Tool] | None, tool_choice) -> None:
@@ -261,7 +261,11 @@ def _cut_call(block: str) -> tuple[str, str]:
         return "", ""
     if not head.group("named"):
         return head.group("name"), ""
-    name, rest = json.loads(f'"{head.group("name")}"'), block[head.end():]
+    try:  # the name as JSON wrote it; one the model wrote with an escape JSON does not know stays as it was written
+        name = json.loads(f'"{head.group("name")}"')
+    except ValueError:
+        name = head.group("name")
+    rest = block[head.end():]
     try:  # the arguments were whole: the cut fell in the call's closing `}` or `</tool_call>`
         arguments, _ = json.JSONDecoder().raw_decode(rest)
         return name, json.dumps(arguments, ensure_ascii=False)

@@ -438,6 +438,8 @@ def test_a_call_cut_short_comes_back_as_openai_returns_it_never_as_the_templates
     (" <tool_ca", True, [("", "")]),
     ('<tool_call>{"name": "unknown", "arguments": {"x', True, [("unknown", '{"x')]),
     ('<tool_call>{"name": "unknown", "arguments": {"x', False, None),
+    # A name written with an escape JSON does not know (`\x`) is kept as written, not a 500.
+    ('<tool_call>{"name": "get\\x", "arguments": {"x', True, [("get\\x", '{"x')]),
     ("Hello", False, None), ("Hello <tool_call>", True, None), ("", True, None),
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "get_time"', False, None)])
 def test_the_calls_of_a_cut_answer_are_what_was_generated(text, forced, calls):
