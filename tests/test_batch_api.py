@@ -188,7 +188,11 @@ def test_a_completions_batch_answers_as_the_same_prompts_answer_live(client, mod
     assert (batch.status, batch.request_counts.completed, errors) == ("completed", 5, [])
     scored = [c["logprobs"] for c in by_id(outputs)["ids-scored"]["response"]["body"]["choices"]]
     live = client.completions.create(**bodies["ids-scored"]).choices
-    assert [s["token_logprobs"] for s in scored] == [c.logprobs.token_logprobs for c in live]
+    # The same values as live, up to the fp32 export's rounding in another batch (its padded batch is not bit-exact
+    # across batch compositions: 1e-6 seen).
+    for batched, alone in zip(scored, live):
+        assert batched["tokens"] == alone.logprobs.tokens and batched["token_logprobs"][0] is None
+        assert batched["token_logprobs"][1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-5)
     assert scored[0]["token_logprobs"][0] is None
     assert len(scored[0]["tokens"]) == len(bodies["ids-scored"]["prompt"][0]) + 1
     echoed = [c["text"] for c in by_id(outputs)["ids-echo"]["response"]["body"]["choices"]]

@@ -401,7 +401,9 @@ def test_an_evaluation_line_scores_its_prompts_as_live(api, model, tokenizer, tm
     [record] = records(out)
     choices = record["response"]["body"]["choices"]
     live = OpenAI(base_url=f"{api}/v1", api_key="unused").completions.create(**body).choices
-    assert [c["logprobs"]["token_logprobs"] for c in choices] == [c.logprobs.token_logprobs for c in live]
+    for batched, alone in zip(choices, live):  # as live, up to the fp32 export's rounding in another batch
+        assert batched["logprobs"]["token_logprobs"][0] is None
+        assert batched["logprobs"]["token_logprobs"][1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-5)
     assert [len(c["logprobs"]["tokens"]) for c in choices] == [len(p) for p in body["prompt"]]
     assert sum(choices[0]["logprobs"]["token_logprobs"][1:]) > sum(choices[1]["logprobs"]["token_logprobs"][1:])
 

@@ -171,12 +171,12 @@ def test_served_greedy_output_equals_transformers_generate_on_ids_with_bos(
 
 
 @pytest.mark.server
-def test_int4_of_a_hugging_face_folder_is_built_from_it_and_refused_when_not_exact(tiny_export, tiny_model_dir,
-                                                                                  tmp_path):
-    """`make model SOURCE=<folder> QUANT=int4`: the export reads a Hugging Face folder where it is (no hf/ of its
-    own), and the fused graph is built from the folder its settings name (it once looked for EXPORT_DIR/hf, which the
-    builder then took for a model hub's name). A random model's weights are on no 4-bit grid, so int4 is not exact
-    for it: the build stops and keeps the report, not the weights, unless asked to keep them."""
+def test_int4_of_a_hugging_face_folder_is_refused_before_any_work_and_built_from_it_when_asked(
+        tiny_export, tiny_model_dir, tmp_path):
+    """`make model SOURCE=<folder> QUANT=int4`: a random model's weights are on no 4-bit grid, so int4 cannot be exact
+    for it: refused at once, naming the matrices, with nothing built. Asked to keep it anyway, the fused graph is built
+    from the folder the export's settings name (the export reads a Hugging Face folder where it is, with no hf/ of its
+    own; the variant once looked for EXPORT_DIR/hf, which the builder then took for a model hub's name)."""
     import json
 
     from scripts.prepare.build_marks import VARIANT_MARK
@@ -186,11 +186,12 @@ def test_int4_of_a_hugging_face_folder_is_built_from_it_and_refused_when_not_exa
     command = [sys.executable, "-m", "scripts.prepare.quantize", "--quant", "int4", "--source", str(tiny_export),
                "--output", str(output)]
     refused = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert f"fused graph of {tiny_model_dir.resolve()}" in refused.stderr
-    assert refused.returncode == 1 and "int4 is not exact for this model" in refused.stderr, refused.stderr[-3000:]
-    assert not json.loads((output / "parity_report.json").read_text())["passed"]
-    assert not (output / "onnx").exists() and not (output / VARIANT_MARK).exists()
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "int4 is exact only for weights already on a 4-bit grid" in refused.stderr
+    assert "model.layers.0." in refused.stderr and "Nothing was built" in refused.stderr
+    assert not output.exists()
     kept = subprocess.run(command + ["--keep-inexact"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert f"fused graph of {tiny_model_dir.resolve()}" in kept.stderr
     assert kept.returncode == 0 and "WARNING: parity below the thresholds" in kept.stderr, kept.stderr[-3000:]
     assert json.loads((output / "llm_settings.json").read_text())["quantization"] == "int4"
     assert (output / "onnx" / "model.onnx").is_file() and (output / VARIANT_MARK).is_file()

@@ -38,7 +38,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import block_quantization, fused_graph  # noqa: E402
+from scripts.prepare import block_quantization, fused_graph, source_grid  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
@@ -258,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and up_to_date(output, VARIANT_MARK, wanted):
         log(f"{output} is up to date; skipping (use --force to redo)")
         return 0
+    if recipe.name in EXACT and not args.keep_inexact:  # before minutes of work, not after its parity check
+        settings = json.loads((args.source / SETTINGS_FILE).read_text())
+        why = source_grid.refusal(source_weights(args.source), settings.get("source", ""), recipe.name,
+                                  recipe.bits, recipe.block_size)
+        if why:
+            log(why)
+            return 1
     start_fresh(output)
     started = time.monotonic()
     stats = build_variant(args.source, output, recipe)
