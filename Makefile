@@ -54,12 +54,17 @@ $(LINT_VENV)/.installed: requirements-lint.txt
 
 # The client libraries (LangChain, instructor, LiteLLM) and aiperf, test-only, in a venv of their own
 # (requirements-clients.txt says why); make test installs them, tests/test_client_libraries.py skips without them.
+# A test-only venv of its own: $(1) its folder, $(2) its requirements file.
+define side_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet --upgrade pip
+	$(1)/bin/pip install --quiet -r $(2)
+	touch $(1)/.installed
+endef
+
 CLIENTS_VENV ?= .venv-clients
 $(CLIENTS_VENV)/.installed: requirements-clients.txt
-	$(PYTHON) -m venv $(CLIENTS_VENV)
-	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
-	$(CLIENTS_VENV)/bin/pip install --quiet -r requirements-clients.txt
-	touch $@
+	$(call side_venv,$(CLIENTS_VENV),$<)
 
 clients: $(CLIENTS_VENV)/.installed
 
@@ -67,10 +72,7 @@ clients: $(CLIENTS_VENV)/.installed
 # make test installs it, tests/test_lm_eval.py skips without it.
 EVAL_VENV ?= .venv-eval
 $(EVAL_VENV)/.installed: requirements-eval.txt
-	$(PYTHON) -m venv $(EVAL_VENV)
-	$(EVAL_VENV)/bin/pip install --quiet --upgrade pip
-	$(EVAL_VENV)/bin/pip install --quiet -r requirements-eval.txt
-	touch $@
+	$(call side_venv,$(EVAL_VENV),$<)
 
 eval-venv: $(EVAL_VENV)/.installed
 

@@ -181,18 +181,19 @@ def create_app(config: ServiceConfig) -> FastAPI:
     async def completion_choices(raw: bytes, owner: str) -> tuple[list[Choice], CompletionFormat, bool]:
         body: CompletionRequest = parse_request(CompletionRequest, raw, service.vocab_size)
         service.check_model(body.model)
-        param = "prompt" if len(body.prompt) == 1 else "prompt[{}]"
-        budgets = [await service.budget(prompt, param.format(p), body.completion_max_tokens)
-                   for p, prompt in enumerate(body.prompt)]
         scored = body.scores_prompt
-        shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
-                      top_log_probs=body.logprobs or 0, prompt_log_probs=scored, **body.sampling(),
-                      cache_salt=tenant_salt(owner, body.cache_salt))
-        n = body.choices_per_prompt
         # A token-id prompt is sent as its ids; its text (special tokens kept) is what echo puts in front. A text
         # prompt scored is tokenized here, as the ensemble would, so that its tokens can be named.
         ids = [p if isinstance(p, list) else service.tokenizer.encode(p, apply_chat_template=False) if scored else None
                for p in body.prompt]
+        param = "prompt" if len(body.prompt) == 1 else "prompt[{}]"
+        budgets = [await service.budget(prompt if prompt_ids is None else prompt_ids, param.format(p),
+                                        body.completion_max_tokens)
+                   for p, (prompt, prompt_ids) in enumerate(zip(body.prompt, ids))]
+        shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
+                      top_log_probs=body.logprobs or 0, prompt_log_probs=scored, **body.sampling(),
+                      cache_salt=tenant_salt(owner, body.cache_salt))
+        n = body.choices_per_prompt
         texts = [p if isinstance(p, str) else service.tokenizer.tokenizer.decode(p, skip_special_tokens=False)
                  for p in body.prompt]
 

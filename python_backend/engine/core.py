@@ -294,18 +294,16 @@ class EngineCore:
         """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions
         computed. A prompt scored recomputes the last cached position too: its logits score the first token not
         cached (the cache keeps scores, not logits)."""
+        scoring = seq.params.prompt_logprobs
+        if hit.whole is not None:  # the whole prompt is cached, its last logits too (and scores): nothing to compute
+            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
+            if scoring:
+                seq.prompt_logprobs = hit.scores()
+            return hit.whole.logits[None], 0
         cached = hit.tokens(self.prefix.block_tokens)
-        if not seq.params.prompt_logprobs:
-            if hit.whole is not None:  # the whole prompt is cached, its last logits too: nothing to compute
-                self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
-                return hit.whole.logits[None], 0
-            # After a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel).
+        if not scoring:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
             logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill)
             return logits, rest
-        if hit.whole is not None:
-            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
-            seq.prompt_logprobs = hit.scores()
-            return hit.whole.logits[None], 0
         positions, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached - 1, fill,
                                                       all_positions=True)
         seq.prompt_logprobs = hit.scores() + _scores(seq, positions[:-1], cached)

@@ -76,15 +76,8 @@ def prompt_token_logprobs(logits: np.ndarray, tokens: list[int] | np.ndarray, to
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max()
-    log_probs = shifted - np.log(np.exp(shifted).sum())
-    if not top:
-        return TokenLogprob(float(log_probs[token]))
-    top = min(top, log_probs.shape[-1])
-    best = np.argpartition(-log_probs, top - 1)[:top]
-    best = best[np.argsort(-log_probs[best], kind="stable")]
-    return TokenLogprob(float(log_probs[token]), tuple(int(i) for i in best), tuple(float(v) for v in log_probs[best]))
+    """One position's: ``logits`` [vocab] scores ``token``."""
+    return prompt_token_logprobs(logits[None], [token], top)[0]
 
 
 def validate_sampling_values(
