@@ -7,8 +7,10 @@ import contextlib
 import json
 import queue
 import re
+import threading
 import time
 import urllib.request
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -59,6 +61,19 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str
 
 
 # --- a running server ---
+
+@contextlib.contextmanager
+def http_stub(handler):
+    """A local HTTP server with `handler` (a BaseHTTPRequestHandler class) on a free port, for as long as the block
+    runs. Its loop looks for shutdown every 20 ms, so that closing it costs no test half a second."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
 
 def metrics(server, strategy: str = "continuous", model: str = "llm") -> dict[str, float]:
     """The llm model's custom metrics under its model and strategy labels (empty if no model reports them)."""

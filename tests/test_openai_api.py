@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import openai
 import pytest
@@ -18,7 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from openai_api.app import ServiceConfig, create_app
-from tests.helpers import LEFTOVER_TOKENS, hf_greedy, metrics, wait_for, wait_idle
+from tests.helpers import LEFTOVER_TOKENS, hf_greedy, http_stub, metrics, wait_for, wait_idle
 
 pytestmark = pytest.mark.server
 
@@ -415,40 +414,31 @@ def test_models_list_the_served_model(client, model):
         client.models.retrieve("gpt-4")
 
 
-class HealthStub:
-    """A stand-in for the supervisor's /health/ready: answers `status`."""
+class HealthStatus(BaseHTTPRequestHandler):
+    """A stand-in for the supervisor's /health/ready: answers `status` (a class attribute the test sets)."""
+    status = 503
 
-    def __init__(self):
-        self.status = 503
-        stub = self
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.status)
+        self.end_headers()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                self.send_response(stub.status)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/health/ready"
+    def log_message(self, *args):
+        pass
 
 
 def test_ready_needs_triton_its_models_and_the_health_url(server, model_dir, service):
     assert ready(service)
-    stub = HealthStub()
-    try:
+    handler = type("Health", (HealthStatus,), {})
+    with http_stub(handler) as stub:
+        health_url = f"http://127.0.0.1:{stub.server_address[1]}/health/ready"
         app = create_app(ServiceConfig(triton_url=f"127.0.0.1:{server.grpc}", model_dir=model_dir,
-                                       health_url=stub.url))
+                                       health_url=health_url))
         with TestClient(app) as local:
             response = local.get("/health/ready")
-            assert response.status_code == 503 and stub.url in response.json()["reason"]
-            stub.status = 200
+            assert response.status_code == 503 and health_url in response.json()["reason"]
+            handler.status = 200
             assert local.get("/health/ready").status_code == 200
             assert local.get("/health/live").status_code == 200
-    finally:
-        stub.server.shutdown()
 
 
 def test_metrics_count_requests_by_endpoint_and_status_and_time_their_start(client, model, service):

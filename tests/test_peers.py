@@ -8,13 +8,13 @@ import http.server
 import json
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 from scripts.bench import peers
 from scripts.bench.workload import workload
+from tests.helpers import http_stub
 
 
 def test_an_answer_ends_before_its_first_eos_and_at_its_max_tokens():
@@ -99,10 +99,8 @@ class StreamingCompletion(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def completion_url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StreamingCompletion)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with http_stub(StreamingCompletion) as server:
+        yield f"http://127.0.0.1:{server.server_port}"
 
 
 def test_a_llama_server_stream_gives_the_text_the_peers_count_and_a_first_token_time(completion_url):

@@ -19,7 +19,8 @@ from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.server_metrics import read_metrics
 from scripts.prepare.quantize import QUANT_CHOICES
 from scripts.prepare.variant_parity import (DECODE_STEPS_CHECKED, LOGIT_PROMPTS, THRESHOLDS, agreement, engine_greedy,
-                                            load_reference_model, load_test_prompts, reference_greedy)
+                                            load_reference_model, load_test_prompts, pytorch_greedy,
+                                            reference_greedy)
 from tests.helpers import variant_folder, wait_idle
 
 REQUEST = {"text_input": "What is the capital of France?", "max_tokens": 24, "apply_chat_template": True}
@@ -100,6 +101,15 @@ def assert_greedy_agreement_now(model_dir, variant, greedy_prompts, greedy_refer
     share = agreement(answers, greedy_reference[GREEDY_PROMPTS])["identical_share"]
     assert share >= THRESHOLDS[variant][1], (
         f"{variant} now: greedy identical {share:.0%} on {len(answers)} load-test prompts; {THRESHOLDS[variant]}")
+
+
+def test_the_pytorch_reference_gives_each_prompt_in_a_padded_batch_its_tokens_alone(reference_model, kv_prompts):
+    """The greedy reference every variant is judged by is computed in left-padded batches: prompts of three lengths
+    together get the tokens each gets alone."""
+    prompts = kv_prompts[:3]
+    assert len({len(p) for p in prompts}) == 3
+    alone = [pytorch_greedy(reference_model, [prompt], 8)[0] for prompt in prompts]
+    assert pytorch_greedy(reference_model, prompts, 8) == alone
 
 
 @pytest.fixture(scope="module")

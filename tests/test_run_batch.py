@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ import pytest
 from scripts.clients import run_batch
 from scripts.clients.run_batch import BatchLine, order_key, parse_lines, read_done
 from scripts.paths import PROJECT_ROOT
-from tests.helpers import wait_for
+from tests.helpers import http_stub, wait_for
 
 
 def batch_line(custom_id: str, content: str, system: str = "Be brief.", **body) -> dict:
@@ -133,13 +133,14 @@ class Stub:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._serving = http_stub(Handler)
+        self.url = f"http://127.0.0.1:{self._serving.__enter__().server_address[1]}"
+        self.closed = False
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        if not self.closed:
+            self.closed = True
+            self._serving.__exit__(None, None, None)
 
 
 def completion(text: str = "ok", tokens: int = 3) -> tuple[int, dict]:
@@ -230,7 +231,7 @@ def test_a_line_gives_up_after_max_retry_s_on_503_and_on_connection_errors(stub,
     assert time.monotonic() - started < 60
     [error] = records(tmp_path / "a.errors.jsonl")
     assert error["custom_id"] == "t1" and error["response"]["status_code"] == 503 and len(server.posts) >= 2
-    dead = f"http://127.0.0.1:{server.server.server_address[1]}"
+    dead = server.url
     server.close()
     assert run_batch.main(["-i", str(source), "-o", str(tmp_path / "b.jsonl"), "--url", dead, "--concurrency", "1",
                            "--max-retry-s", "1"]) == 0

@@ -154,7 +154,7 @@ def test_the_serve_command_runs_the_openai_api_beside_the_server_and_stops_it(tm
         deadline = time.monotonic() + 120
         while get(f"http://127.0.0.1:{api_port}/health/live")[0] != 200:
             assert process.poll() is None and time.monotonic() < deadline, "the API did not come up"
-            time.sleep(0.25)
+            time.sleep(0.05)
         status, body = get(f"http://127.0.0.1:{api_port}/health/ready")
         # Not ready: nothing serves gRPC. Its reasons name the server's gRPC port, and, supervised, the health URL.
         assert status == 503 and f"127.0.0.1:{ports.grpc}" in body["reason"]

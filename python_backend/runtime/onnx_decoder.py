@@ -21,13 +21,18 @@ _PAST_KEY = re.compile(r"past_key_values\.(\d+)\.key")
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
+# Threads a session takes when its caller names none (0: onnxruntime's choice, one per core). Processes that share the
+# cores between them, such as the test suite's parallel workers, lower it so that they do not oversubscribe the cores.
+DEFAULT_INTRA_OP_THREADS = 0
+
+
 def cpu_session(model_path: str | os.PathLike, intra_op_threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(str(model_path), session_options(intra_op_threads), providers=["CPUExecutionProvider"])
 
 
 def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     options = ort.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads  # 0: onnxruntime picks (one per core)
+    options.intra_op_num_threads = intra_op_threads or DEFAULT_INTRA_OP_THREADS
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options
 
