@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -130,13 +130,18 @@ serve: model
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
+# What make test needs, three jobs at a time: the test-only venvs are installed while the export and the variants
+# are built.
+test-setup:
+	@$(MAKE) --no-print-directory -j3 variants clients eval-venv
+
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
 # The files are spread over TEST_WORKERS processes (pytest-xdist), each file on one worker, so that a worker starts a
 # shared server at most once (0: one process, no workers). Python may keep bytecode for the next run whatever the
 # shell says (PYTHONDONTWRITEBYTECODE): pytest's rewritten test files are then not rewritten each time.
 TEST_WORKERS ?= 2
-test: variants clients eval-venv
+test: test-setup
 	@started=$$(date +%s); \
 	env -u PYTHONDONTWRITEBYTECODE TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS); status=$$?; \

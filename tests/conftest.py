@@ -175,11 +175,29 @@ def _names(node: ast.AST) -> set[str]:
 
 
 @functools.cache
+def _module_tree(module) -> ast.Module | None:
+    try:
+        return ast.parse(inspect.getsource(module))
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _definitions(module) -> dict[int, ast.AST]:
+    """The module's function definitions (nested ones too) by the line their code object starts at: the first
+    decorator's, or the def's. Looked up there, a function's source is parsed once with its module's."""
+    tree = _module_tree(module)
+    if tree is None:
+        return {}
+    return {min([node.lineno] + [d.lineno for d in node.decorator_list]): node for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@functools.cache
 def _server_starters(module) -> frozenset[str]:
     """The top-level functions and classes of a module that start a server, themselves or through one another."""
-    try:
-        tree = ast.parse(inspect.getsource(module))
-    except (OSError, TypeError):
+    tree = _module_tree(module)
+    if tree is None:
         return frozenset()
     nodes = {node.name: node for node in tree.body
              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -193,11 +211,14 @@ def _server_starters(module) -> frozenset[str]:
 def _starts_a_server(function) -> bool:
     """Whether a test or fixture function starts a server, itself or through a function of its own module (helpers
     in other files are not followed: tests/helpers.py starts none)."""
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return False
     module = inspect.getmodule(function)
+    code = getattr(function, "__code__", None)
+    node = _definitions(module).get(code.co_firstlineno) if module and code else None
+    if node is None:
+        try:
+            node = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError, SyntaxError):
+            return False
     return _starts_one_itself(node) or bool(module and _names(node) & _server_starters(module))
 
 

@@ -48,8 +48,8 @@ def off_grid_matrices(weights_dir: Path, bits: int, block_size: int) -> tuple[li
             off.append(OffGrid(name, -1))  # rows that are not whole blocks: no block grid at all
             continue
         blocks = matrix.reshape(-1, block_size)
-        picked = blocks[np.linspace(0, len(blocks) - 1, min(SAMPLED_BLOCKS, len(blocks))).astype(np.int64)]
-        levels = max(len(np.unique(block)) for block in picked)
+        picked = np.sort(blocks[np.linspace(0, len(blocks) - 1, min(SAMPLED_BLOCKS, len(blocks))).astype(np.int64)])
+        levels = 1 + int((np.diff(picked, axis=1) != 0).sum(axis=1).max())  # distinct values of the fullest block
         if levels > 2 ** bits:
             off.append(OffGrid(name, levels))
     return off, seen
