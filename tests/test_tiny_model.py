@@ -1,6 +1,7 @@
-"""A model without a chat template, end to end: a tiny randomly initialised Llama whose tokenizer adds a BOS token,
-exported by `scripts.prepare.export_onnx` and served by a real tritonserver. Raw prompts must reach the model with the BOS,
-whether or not the request asks for the (missing) chat template."""
+"""Models other than the default, end to end. A tiny randomly initialised Llama whose tokenizer adds a BOS token and
+has no chat template, exported by `scripts.prepare.export_onnx` and served by a real tritonserver: raw prompts must
+reach the model with the BOS, whether or not the request asks for the (missing) chat template. A tiny random Gemma 2
+(soft-capped attention, a sliding window, a final soft cap): exported exactly and served token-exact."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.tokenization import PromptTokenizer
@@ -48,8 +49,8 @@ def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
 
 
 # `python -m scripts.prepare.export_onnx`, with the greedy agreement of its parity check on the first 4 load-test
-# prompts instead of all of them: the whole set costs about 90 s of one-prompt-at-a-time PyTorch generation here and
-# says no more of a random model than 4 prompts do. The rest of the export and its checks run as they are.
+# prompts instead of all of them: the whole set says no more of a random model than 4 prompts do. The rest of the
+# export and its checks run as they are.
 EXPORT = """import sys
 from scripts.prepare import export_onnx, variant_parity
 all_prompts = variant_parity.load_test_prompts
@@ -89,17 +90,17 @@ def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_model_d
 
 
 def test_a_model_whose_attention_the_export_lacks_is_refused_before_any_work(tmp_path, capsys):
-    """Gemma 2's attention soft-capping: refused from its config alone, naming why, with nothing written."""
-    from transformers import Gemma2Config
+    """gpt-oss's attention sinks: refused from its config alone, naming why, with nothing written."""
+    from transformers import GptOssConfig
 
     from scripts.prepare import export_onnx
 
-    source = tmp_path / "gemma2"
-    Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    source = tmp_path / "gpt_oss"
+    GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16).save_pretrained(source)
     output = tmp_path / "out"
     assert export_onnx.main(["--source", str(source), "--output", str(output)]) == 2
-    assert "gemma2 uses attention logit soft-capping (attn_logit_softcapping 50.0)" in capsys.readouterr().err
+    assert "gpt_oss uses attention sinks" in capsys.readouterr().err
     assert not output.exists(), "nothing half-built is left behind"
     assert export_onnx.refusal(Path(tmp_path / "missing")) is None
 
@@ -195,3 +196,61 @@ def test_int4_of_a_hugging_face_folder_is_refused_before_any_work_and_built_from
     assert kept.returncode == 0 and "WARNING: parity below the thresholds" in kept.stderr, kept.stderr[-3000:]
     assert json.loads((output / "llm_settings.json").read_text())["quantization"] == "int4"
     assert (output / "onnx" / "model.onnx").is_file() and (output / VARIANT_MARK).is_file()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
+    """A Hugging Face folder: a 4-layer random Gemma 2 with SmolLM2's tokenizer, its attention soft cap low enough to
+    change the scores (5; ignored, the export's logits differ by about 6) and a sliding window of 32 tokens, shorter
+    than the prompts with their answers, on alternate layers."""
+    folder = tmp_path_factory.mktemp("tiny_gemma2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer.save_pretrained(folder)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=32, query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0, final_logit_softcapping=30.0, initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.server
+def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_graph(tiny_gemma2_dir, tmp_path):
+    """Gemma 2's soft-capped attention, sliding window and final soft cap: the export's parity against transformers
+    holds, the served greedy tokens are transformers' (past the window), and int4/fast, built on a fused graph whose
+    sliding-window attention does not run on the slot cache, are refused before any work."""
+    import json
+
+    export = tmp_path / "gemma2"
+    command = [sys.executable, "-c", EXPORT, "--source", str(tiny_gemma2_dir), "--output", str(export)]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((export / "parity_report.json").read_text())
+    assert report["passed"] and report["max_abs_logit_diff"] < 1e-4
+    assert report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma2_dir, local_files_only=True)
+    model = Gemma2ForCausalLM.from_pretrained(tiny_gemma2_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with running_server(log_path=tmp_path / "server.log", env={MODEL_DIR_ENV: str(export)}) as ports:
+        client = GenerateClient(f"127.0.0.1:{ports.http}")
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer(prompt).input_ids])
+            assert ids.shape[1] + 40 > 32, "the answer runs past the sliding window"
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                     eos_token_id=END_ID, pad_token_id=tokenizer.pad_token_id)
+            expected = out[0, ids.shape[1]:].tolist()
+            completion = client.complete({"text_input": prompt, "max_tokens": 40, "end_id": END_ID,
+                                          "apply_chat_template": False})
+            assert completion.output_tokens == len(expected) == 40, prompt
+            assert completion.text == tokenizer.decode(expected, skip_special_tokens=True), prompt
+
+    for variant in ("fast", "int4"):
+        output = tmp_path / f"gemma2-{variant}"
+        refused = subprocess.run([sys.executable, "-m", "scripts.prepare.quantize", "--quant", variant, "--source",
+                                  str(export), "--output", str(output), "--keep-inexact"],
+                                 cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 1 and "gemma2 has sliding-window layers (sliding_window 32)" in refused.stderr
+        assert not output.exists()

@@ -43,6 +43,7 @@ PARITY_PROMPTS = [
 ]
 MAX_LOGIT_DIFF = 1e-3  # fp32 exports land near 1e-4 on logits of magnitude ~40
 GREEDY_TOKENS = 32
+ATTENTION_SINK_MODELS = {"gpt_oss"}  # transformers' model types whose attention adds learned sinks
 DECODE_STEPS_CHECKED = 4
 _started = time.monotonic()
 
@@ -78,8 +79,8 @@ def source_fingerprint(source: Path) -> dict:
 
 def refusal(source: Path) -> str | None:
     """Why the export cannot take this model, found from its config before any work (None: nothing known against
-    it). The export's attention (grouped_attention.py) has no logit soft-capping: Gemma 2's would fail inside
-    torch.export after minutes of loading, or, were it skipped, change every token."""
+    it). The export's attention (grouped_attention.py) has no attention sinks: gpt-oss's would fail inside
+    torch.export after minutes of loading, or, were they skipped, change every token."""
     from transformers import AutoConfig
 
     try:
@@ -87,11 +88,9 @@ def refusal(source: Path) -> str | None:
                   else AutoConfig.from_pretrained(source))
     except (OSError, ValueError, KeyError):
         return None  # loading the model itself will say what is wrong
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        return (f"{config.model_type} uses attention logit soft-capping (attn_logit_softcapping {softcap}), which "
-                f"the export's attention ({grouped_attention.NAME}) does not have; checked: Llama-like models "
-                "(docs/models.md)")
+    if config.model_type in ATTENTION_SINK_MODELS:
+        return (f"{config.model_type} uses attention sinks, which the export's attention ({grouped_attention.NAME}) "
+                "does not have; checked: Llama-like models and Gemma 2 (docs/models.md)")
     return None
 
 

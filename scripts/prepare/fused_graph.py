@@ -41,6 +41,19 @@ def build(hf_dir: Path) -> onnx.ModelProto:
     return model
 
 
+def refusal(hf_dir: Path, variant: str) -> str | None:
+    """Why the fused graph cannot serve this model, from its config before any work (None: nothing known against
+    it). Sliding-window layers (Gemma 2's, alternate layers): the builder gives their GroupQueryAttention a local
+    window, which onnxruntime runs only on a cache holding the whole window per row; on the slot cache the parity
+    check failed inside the kernel (a tiny Gemma 2, 2026-12-02: window 32, and window 4096 on a 64-token cache)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if "sliding_attention" not in (config.get("layer_types") or []):
+        return None
+    return (f"{variant} is built on onnxruntime-genai's fused graph, whose sliding-window attention does not run on "
+            f"the slot cache: {config.get('model_type')} has sliding-window layers (sliding_window "
+            f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (the export, exact) or fp16")
+
+
 def head_size(hf_dir: Path) -> int:
     config = json.loads((hf_dir / "config.json").read_text())
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -53,12 +66,21 @@ def set_head_size(model: onnx.ModelProto, size: int) -> None:
             value.type.tensor_type.shape.dim[3].dim_value = size
 
 
+def lm_head_node(model: onnx.ModelProto) -> onnx.NodeProto:
+    """The MatMul that makes the logits: the node producing 'logits', or the MatMul it is computed from through
+    element-wise nodes (Gemma 2's final soft-capping: Div, Tanh, Mul after the head)."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    node = producers.get("logits")
+    while node is not None and node.op_type != "MatMul":
+        node = producers.get(node.input[0]) if node.op_type in ("Div", "Tanh", "Mul", "Cast") else None
+    if node is None:
+        raise ValueError("the fused graph has no MatMul producing 'logits'")
+    return node
+
+
 def lm_head(model: onnx.ModelProto) -> str:
     """The name of the MatMul that makes the logits."""
-    for node in model.graph.node:
-        if node.op_type == "MatMul" and "logits" in node.output:
-            return node.name
-    raise ValueError("the fused graph has no MatMul producing 'logits'")
+    return lm_head_node(model).name
 
 
 ALL_POSITIONS_INPUT = "logits_all_positions"
@@ -76,7 +98,7 @@ def logits_of_last_positions(model: onnx.ModelProto) -> None:
     positions in order (a right-padded row's padding positions hold logits nobody reads). An input, not an
     initializer with a default: onnxruntime's IOBinding does not take an overridable initializer by name."""
     graph = model.graph
-    head = next(n for n in graph.node if "logits" in n.output)
+    head = lm_head_node(model)
     hidden_size = next(i for i in graph.initializer if i.name == head.input[1]).dims[0]
     hidden, prefix = head.input[0], "/last_position"
 

@@ -21,14 +21,17 @@ NAME = "grouped_eager"
 def grouped_query_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query [batch, heads, q_len, head_dim]; key/value [batch, kv_heads, kv_len, head_dim]; attention_mask
     additive, [batch, 1, q_len, >= kv_len]. Returns ([batch, q_len, heads, head_dim], probabilities)."""
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError(f"{NAME} attention has no logit soft-capping or attention sinks")
+    if getattr(module, "sinks", None) is not None:
+        raise NotImplementedError(f"{NAME} attention has no attention sinks")
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head h uses KV head h // groups (repeat_kv's order), so a plain reshape groups them.
     stacked = query.reshape(batch, kv_heads, groups * q_len, head_dim)
     scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma 2: scores squashed into (-softcap, softcap) before the mask, as its eager does
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(batch, kv_heads, groups, q_len, kv_len)
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, None, :, :kv_len]

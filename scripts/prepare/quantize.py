@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             log(why)
             return 1
+    if recipe.graph == "fused" and (why := fused_graph.refusal(source_weights(args.source), recipe.name)):
+        log(why)
+        return 1
     start_fresh(output)
     started = time.monotonic()
     stats = build_variant(args.source, output, recipe)
