@@ -1,0 +1,117 @@
+"""Which architectures each weight variant serves: tiny random models of the architectures people bring (SmolLM2's
+tokenizer, a few layers, random weights large enough that every token depends on the prompt), each exported and built
+as every variant, with each build's parity line or refusal. Prints the table docs/models.md shows.
+
+    python -m scripts.bench.architectures [--work build/architectures] [--only qwen2 gemma2]
+
+Random weights are on no 4-bit grid, so `int4` (exact only on a GGUF's own grid) is refused for every one of them
+before any work: the table says so rather than forcing a build. Nothing is downloaded: the configs are written here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.paths import PROJECT_ROOT
+
+VARIANTS = ("fp16", "fast", "int4")
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.2)
+
+
+def configs(tokenizer) -> dict:
+    """Architecture -> a tiny config with what sets it apart switched on."""
+    import transformers as tf
+
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    return {
+        "llama3 (rope scaling)": tf.LlamaConfig(**SMALL, **ids, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "mistral": tf.MistralConfig(**SMALL, **ids, head_dim=16, sliding_window=None),
+        "qwen2 (biases)": tf.Qwen2Config(**SMALL, **ids),
+        "qwen3 (q/k norms)": tf.Qwen3Config(**SMALL, **ids, head_dim=16),
+        "phi3 (fused projections)": tf.Phi3Config(**SMALL, **ids),
+        "gemma2 (soft caps, sliding window)": tf.Gemma2Config(
+            **SMALL, **ids, head_dim=16, sliding_window=32, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0),
+        "granite (multipliers)": tf.GraniteConfig(**SMALL, **ids, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                  attention_multiplier=0.0625, logits_scaling=8.0),
+        "olmo2 (post-norms, q/k norms)": tf.Olmo2Config(**SMALL, **ids),
+    }
+
+
+def make(name: str, config, tokenizer, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def run(command: list[str]) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", *command], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+def outcome(code: int, log: str) -> str:
+    """One cell: the parity line's numbers, or why it was refused or failed."""
+    parity = re.search(r"max \|Δ logits\|(?: =)? ([0-9.e+-]+).*?greedy identical (\d+)/4;.*?(\d+)/(\d+) over", log)
+    if parity is None:
+        parity = re.search(r"max \|Δ logits\| ([0-9.e+-]+); greedy identical (\d+)/(\d+) over", log)
+        if parity:
+            delta, same, total = parity.groups()
+            return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}"
+    else:
+        delta, _, same, total = parity.groups()
+        return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}"
+    for pattern, label in ((r"exact only for weights already on a 4-bit grid", "refused: off its grid"),
+                           (r"has sliding-window layers", "refused: sliding window"),
+                           (r"cannot export .*", None)):
+        found = re.search(pattern, log)
+        if found:
+            return label or f"refused: {found.group(0)[:80]}"
+    last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+    return f"failed (exit {code}): {last[0][:100]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=PROJECT_ROOT / "build" / "architectures")
+    parser.add_argument("--only", nargs="*", help="architectures whose name starts with one of these")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from scripts.paths import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    rows = []
+    for name, config in configs(tokenizer).items():
+        if args.only and not any(name.startswith(prefix) for prefix in args.only):
+            continue
+        slug = name.split()[0]
+        source, export = args.work / slug, args.work / f"{slug}-export"
+        make(name, config, tokenizer, source)
+        code, log = run(["scripts.prepare.export_onnx", "--source", str(source), "--output", str(export), "--force"])
+        cells = [outcome(code, log)]
+        for variant in VARIANTS:
+            cells.append(outcome(*run(["scripts.prepare.quantize", "--quant", variant, "--source", str(export),
+                                        "--force"])) if code == 0 else "-")
+        rows.append((name, cells))
+        print(f"{name}: {' | '.join(cells)}", file=sys.stderr, flush=True)
+    print("| architecture | fp32 (the export) | " + " | ".join(VARIANTS) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " |")
+    for name, cells in rows:
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

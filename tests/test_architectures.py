@@ -1,0 +1,36 @@
+"""The architectures table's pieces (scripts/bench/architectures.py) without running a build: each cell read from the
+export's and the variant builds' own log lines, a refusal named, a failure shown with its last line; and every
+architecture's tiny config is small and has what sets it apart."""
+
+from transformers import AutoTokenizer
+
+from scripts.bench.architectures import configs, outcome
+
+EXPORT_LINE = ("[export   14.0s] parity: max |Δ logits| = 6.32e-06 (tolerance 0.001), greedy identical 4/4; on the "
+               "load-test prompts 42/42 over 64 tokens\n[export   14.0s] done: build/x")
+VARIANT_LINE = ("[parity] fp16: max |Δ logits| 0.0335; greedy identical 40/42 over 64 tokens, mean 61.5 tokens to the "
+                "first difference; passed\n[quantize] done: build/x-fp16")
+
+
+def test_each_cell_is_read_from_the_builds_own_lines():
+    assert outcome(0, EXPORT_LINE) == "built: 6.3e-06, 42/42"
+    assert outcome(0, VARIANT_LINE) == "built: 0.034, 40/42"
+    assert outcome(1, VARIANT_LINE) == "FAILED: 0.034, 40/42"
+    assert outcome(1, "[quantize] int4 is exact only for weights already on a 4-bit grid in blocks of 32 (GGUF "
+                      "...)") == "refused: off its grid"
+    assert outcome(1, "[quantize] fast is built on ...: gemma2 has sliding-window layers (sliding_window 32).") == (
+        "refused: sliding window")
+    assert outcome(1, "Traceback ...\nRuntimeError: the kernel said no\n") == (
+        "failed (exit 1): RuntimeError: the kernel said no")
+
+
+def test_every_architectures_config_is_tiny_and_keeps_its_own_features(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tiny = configs(tokenizer)
+    assert len(tiny) == 8
+    for name, config in tiny.items():
+        assert config.num_hidden_layers == 4 and config.hidden_size == 64, name
+        assert config.vocab_size == len(tokenizer), name
+    assert tiny["gemma2 (soft caps, sliding window)"].attn_logit_softcapping == 5.0
+    assert tiny["granite (multipliers)"].logits_scaling == 8.0
+    assert tiny["qwen2 (biases)"].model_type == "qwen2" and tiny["olmo2 (post-norms, q/k norms)"].model_type == "olmo2"
