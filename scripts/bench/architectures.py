@@ -36,7 +36,8 @@ def configs(tokenizer) -> dict:
         "mistral": tf.MistralConfig(**SMALL, **ids, head_dim=16, sliding_window=None),
         "qwen2 (biases)": tf.Qwen2Config(**SMALL, **ids),
         "qwen3 (q/k norms)": tf.Qwen3Config(**SMALL, **ids, head_dim=16),
-        "phi3 (fused projections)": tf.Phi3Config(**SMALL, **ids),
+        # As Phi-3-mini-4k: its context is the one it was trained at (a longer one means LongRoPE's factors).
+        "phi3 (fused projections)": tf.Phi3Config(**SMALL, **ids, original_max_position_embeddings=512),
         "gemma2 (soft caps, sliding window)": tf.Gemma2Config(
             **SMALL, **ids, head_dim=16, sliding_window=32, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
             final_logit_softcapping=30.0),
