@@ -2,6 +2,7 @@
 local stub HTTP server; then, against the real front (marker `server`), answers equal to live ones, an interrupted
 run resumed, and bad lines beside good ones."""
 
+import contextlib
 import itertools
 import json
 import signal
@@ -133,14 +134,11 @@ class Stub:
             def log_message(self, *args):
                 pass
 
-        self._serving = http_stub(Handler)
-        self.url = f"http://127.0.0.1:{self._serving.__enter__().server_address[1]}"
-        self.closed = False
+        self._serving = contextlib.ExitStack()
+        self.url = f"http://127.0.0.1:{self._serving.enter_context(http_stub(Handler)).server_address[1]}"
 
     def close(self):
-        if not self.closed:
-            self.closed = True
-            self._serving.__exit__(None, None, None)
+        self._serving.close()  # a second close does nothing
 
 
 def completion(text: str = "ok", tokens: int = 3) -> tuple[int, dict]:

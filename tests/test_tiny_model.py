@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.tokenization import PromptTokenizer
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.triton_server import running_server
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import hf_greedy
 
 BOS = "<|endoftext|>"
 PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
@@ -200,19 +201,16 @@ def test_int4_of_a_hugging_face_folder_is_refused_before_any_work_and_built_from
 
 @pytest.fixture(scope="session")
 def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
-    """A Hugging Face folder: a 4-layer random Gemma 2 with SmolLM2's tokenizer, its attention soft cap low enough to
-    change the scores (5; ignored, the export's logits differ by about 6) and a sliding window of 32 tokens, shorter
-    than the prompts with their answers, on alternate layers."""
+    """A Hugging Face folder: the architectures table's tiny random Gemma 2 (scripts/bench/architectures.py), its
+    attention soft cap low enough to change the scores (5; ignored, the export's logits differ by about 3) and a
+    sliding window of 32 tokens, shorter than the prompts with their answers, on alternate layers."""
+    from scripts.bench import architectures
+
     folder = tmp_path_factory.mktemp("tiny_gemma2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    tokenizer.save_pretrained(folder)
-    config = Gemma2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=32, query_pre_attn_scalar=16,
-        attn_logit_softcapping=5.0, final_logit_softcapping=30.0, initializer_range=0.2,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    Gemma2ForCausalLM(config).save_pretrained(folder)
+    config = architectures.configs(tokenizer)["gemma2 (soft caps, sliding window)"]
+    assert (config.attn_logit_softcapping, config.sliding_window) == (5.0, 32)
+    architectures.make(config, tokenizer, folder)
     return folder
 
 
@@ -236,12 +234,9 @@ def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_
     with running_server(log_path=tmp_path / "server.log", env={MODEL_DIR_ENV: str(export)}) as ports:
         client = GenerateClient(f"127.0.0.1:{ports.http}")
         for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer(prompt).input_ids])
-            assert ids.shape[1] + 40 > 32, "the answer runs past the sliding window"
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                                     eos_token_id=END_ID, pad_token_id=tokenizer.pad_token_id)
-            expected = out[0, ids.shape[1]:].tolist()
+            ids = tokenizer(prompt).input_ids
+            assert len(ids) + 40 > 32, "the answer runs past the sliding window"
+            expected = hf_greedy(model, {"eos_token_ids": [END_ID]}, ids, 40, eos_token_id=END_ID)
             completion = client.complete({"text_input": prompt, "max_tokens": 40, "end_id": END_ID,
                                           "apply_chat_template": False})
             assert completion.output_tokens == len(expected) == 40, prompt

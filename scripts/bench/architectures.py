@@ -47,7 +47,8 @@ def configs(tokenizer) -> dict:
     }
 
 
-def make(name: str, config, tokenizer, folder: Path) -> None:
+def make(config, tokenizer, folder: Path) -> None:
+    """A Hugging Face folder: the tokenizer and the config's model with seeded random weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,23 +63,25 @@ def run(command: list[str]) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+# The parity lines the builds print: the export's (its load-test agreement after the 4 generate() prompts), a
+# variant's.
+PARITY_LINES = (r"max \|Δ logits\| = ([0-9.e+-]+) .*?on the load-test prompts (\d+)/(\d+) over",
+                r"max \|Δ logits\| ([0-9.e+-]+); greedy identical (\d+)/(\d+) over")
+REFUSALS = ((r"exact only for weights already on a 4-bit grid", "refused: off its grid"),
+            (r"has sliding-window layers", "refused: sliding window"))
+
+
 def outcome(code: int, log: str) -> str:
     """One cell: the parity line's numbers, or why it was refused or failed."""
-    parity = re.search(r"max \|Δ logits\|(?: =)? ([0-9.e+-]+).*?greedy identical (\d+)/4;.*?(\d+)/(\d+) over", log)
-    if parity is None:
-        parity = re.search(r"max \|Δ logits\| ([0-9.e+-]+); greedy identical (\d+)/(\d+) over", log)
-        if parity:
-            delta, same, total = parity.groups()
+    for pattern in PARITY_LINES:
+        if found := re.search(pattern, log):
+            delta, same, total = found.groups()
             return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}"
-    else:
-        delta, _, same, total = parity.groups()
-        return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}"
-    for pattern, label in ((r"exact only for weights already on a 4-bit grid", "refused: off its grid"),
-                           (r"has sliding-window layers", "refused: sliding window"),
-                           (r"cannot export .*", None)):
-        found = re.search(pattern, log)
-        if found:
-            return label or f"refused: {found.group(0)[:80]}"
+    for pattern, label in REFUSALS:
+        if re.search(pattern, log):
+            return label
+    if found := re.search(r"cannot export .*", log):
+        return f"refused: {found.group(0)[:80]}"
     last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
     return f"failed (exit {code}): {last[0][:100]}"
 
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         slug = name.split()[0]
         source, export = args.work / slug, args.work / f"{slug}-export"
-        make(name, config, tokenizer, source)
+        make(config, tokenizer, source)
         code, log = run(["scripts.prepare.export_onnx", "--source", str(source), "--output", str(export), "--force"])
         cells = [outcome(code, log)]
         for variant in VARIANTS:
