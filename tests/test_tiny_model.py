@@ -19,7 +19,7 @@ from python_backend.serving.tokenization import PromptTokenizer
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.triton_server import running_server
 from scripts.paths import PROJECT_ROOT
-from tests.helpers import hf_greedy
+from tests.helpers import export_tiny, hf_greedy
 
 BOS = "<|endoftext|>"
 PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
@@ -49,23 +49,10 @@ def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
     return folder
 
 
-# `python -m scripts.prepare.export_onnx`, with the greedy agreement of its parity check on the first 4 load-test
-# prompts instead of all of them: the whole set says no more of a random model than 4 prompts do. The rest of the
-# export and its checks run as they are.
-EXPORT = """import sys
-from scripts.prepare import export_onnx, variant_parity
-all_prompts = variant_parity.load_test_prompts
-variant_parity.load_test_prompts = lambda: all_prompts()[:4]
-sys.exit(export_onnx.main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="session")
 def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("tiny_export")
-    command = [sys.executable, "-c", EXPORT, "--source", str(tiny_model_dir), "--output", str(output)]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    export_tiny(tiny_model_dir, output)
     return output
 
 
@@ -222,9 +209,7 @@ def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_
     import json
 
     export = tmp_path / "gemma2"
-    command = [sys.executable, "-c", EXPORT, "--source", str(tiny_gemma2_dir), "--output", str(export)]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    export_tiny(tiny_gemma2_dir, export)
     report = json.loads((export / "parity_report.json").read_text())
     assert report["passed"] and report["max_abs_logit_diff"] < 1e-4
     assert report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"]

@@ -88,6 +88,19 @@ def quantize(weight: np.ndarray, bits: int, block_size: int = 32, symmetric: boo
                            None if symmetric else _pack(zero_points.astype(np.uint8), bits), residual)
 
 
+def from_grid(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block_size: int = 32) -> QuantizedMatrix:
+    """A [K, N] weight given on its own 4-bit grid, column n's block b being ``scales[n, b] · codes[n, k] +
+    offsets[n, b]`` (codes uint8 [N, K]): the codes and scales as they are, the offset as the nearest integer zero
+    point plus a residual (0 where the offset is a whole number of steps, as in GGUF's Q4_0)."""
+    n, k = codes.shape
+    steps = np.divide(-offsets, scales, out=np.zeros_like(offsets), where=scales != 0)
+    zero_points = np.clip(np.round(steps), 0, 15)
+    residual = (offsets.astype(np.float64) + scales.astype(np.float64) * zero_points).T.astype(np.float32)
+    packed = _pack(codes.astype(np.uint8), 4).reshape(n, k // block_size, -1)
+    return QuantizedMatrix(4, block_size, packed, scales.astype(np.float32), _pack(zero_points.astype(np.uint8), 4),
+                           residual)
+
+
 def block_sum_matrix(k: int, block_size: int) -> np.ndarray:
     """S [K, K / block_size] with ``(x · S)[b] = sum of x over block b``."""
     matrix = np.zeros((k, k // block_size), np.float32)

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,12 +39,16 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import block_quantization, fused_graph, source_grid  # noqa: E402
+from scripts.prepare import block_quantization, fused_graph, gguf_grid, source_grid  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
 FORMAT = 5  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
+# What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
+FILE_GRID = "4-bit on the GGUF file's own grid"
+KEPT_FP32 = "kept fp32 (the file's type is not 4-bit)"
+MIN_MAX_GRID = "4-bit on each block's min and max"
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,17 @@ def constant_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
 
 
-def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -> dict:
-    """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). Returns statistics."""
+def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
+                     grids: gguf_grid.FileGrids | None = None) -> dict:
+    """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). With a GGUF file's grids,
+    a matrix whose columns all come from its 4-bit tensors keeps the file's own codes and scales, and one with columns
+    of another type of the file stays fp32 (gguf_grid.py). Returns statistics."""
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     replaced: dict[str, list[onnx.NodeProto]] = {}
     block_sums: dict[str, str] = {}
     spreads = []
+    made: dict[str, Counter] = {}  # what each matrix became -> the source tensor types of its columns
     for node in constant_matmuls(model):
         is_head = node.name == head
         if is_head and recipe.head_bits is None:
@@ -114,13 +123,23 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -
         weight = numpy_helper.to_array(initializers[node.input[1]])
         k, n = weight.shape
         bits, symmetric = (recipe.head_bits, True) if is_head else (recipe.bits, recipe.symmetric)
-        matrix = block_quantization.quantize(weight, bits, recipe.block_size, symmetric)
+        match = grids.match(weight) if grids is not None and bits == 4 and not is_head else None
+        if match is not None and match.grid is None and not match.missing:
+            made.setdefault(KEPT_FP32, Counter())["+".join(sorted(match.types))] += 1
+            continue
+        if match is not None and match.grid is not None:
+            made.setdefault(FILE_GRID, Counter())["+".join(sorted(match.types))] += 1
+            matrix = block_quantization.from_grid(match.grid.codes, match.grid.scales, match.grid.offsets,
+                                                  recipe.block_size)
+        else:
+            made.setdefault(MIN_MAX_GRID, Counter())["matrices"] += 1
+            matrix = block_quantization.quantize(weight, bits, recipe.block_size, symmetric)
         spreads.append(matrix.residual_spread(weight))
         x, y = node.input[0], node.output[0]
         new_initializers = {f"{node.name}.q{bits}": matrix.packed, f"{node.name}.scales": matrix.scales}
         if matrix.zero_points is not None:
             new_initializers[f"{node.name}.zero_points"] = matrix.zero_points
-        with_residual = recipe.residual and not symmetric
+        with_residual = recipe.residual and not symmetric and bool(matrix.residual.any())
         nodes = [helper.make_node("MatMulNBits", [x, *new_initializers], [f"{y}.blocks" if with_residual else y],
                                   name=f"{node.name}.nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits,
                                   block_size=recipe.block_size, accuracy_level=recipe.accuracy_level)]
@@ -146,7 +165,8 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None) -
     del graph.node[:]
     graph.node.extend(rebuilt)
     _use_ms_domain(model)
-    return {"matmuls_quantized": len(replaced), "max_residual_spread": max(spreads, default=0.0)}
+    return {"matmuls_quantized": len(replaced), "max_residual_spread": max(spreads, default=0.0),
+            "matrices": {how: dict(counts) for how, counts in made.items()}}
 
 
 def quantize_with_onnxruntime(model: onnx.ModelProto, recipe: Recipe, head: str | None) -> onnx.ModelProto:
@@ -184,13 +204,29 @@ def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
         if recipe.tool == "onnxruntime":
             model = quantize_with_onnxruntime(model, recipe, head)
         else:
-            stats = quantize_on_grid(model, recipe, head)
+            stats = quantize_on_grid(model, recipe, head, source_file_grids(source))
         _drop_unused_initializers(model)
     onnx_path = output / ONNX_FILE
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
     stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
     return stats
+
+
+def source_gguf(source: Path) -> Path | None:
+    """The GGUF file the export at ``source`` was made from, if it was one and is still there."""
+    path = Path(json.loads((source / SETTINGS_FILE).read_text()).get("source", ""))
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def source_file_grids(source: Path) -> gguf_grid.FileGrids | None:
+    path = source_gguf(source)
+    if path is None:
+        return None
+    grids = gguf_grid.FileGrids(path)
+    log(f"{path.name}: layer tensors " + ", ".join(f"{n} {kind}" for kind, n in grids.types.most_common())
+        + f"; the {'/'.join(gguf_grid.FOUR_BIT)} ones keep their own grid, the others stay fp32")
+    return grids
 
 
 def source_weights(source: Path) -> Path:

@@ -63,18 +63,27 @@ def gguf_tensor_types(path: Path) -> Counter:
 
 
 def refusal(weights_dir: Path, source: str, variant: str, bits: int, block_size: int) -> str | None:
-    """Why the exact variant cannot be exact for these weights, or None when every layer matrix is on the grid."""
+    """Why the exact variant cannot be exact for these weights, or None when every layer matrix is on the grid. A
+    GGUF file's 4-bit tensors keep the file's own grid and its other tensors stay fp32 (gguf_grid.py): refused only
+    when none of its layer tensors is 4-bit, as the variant would then be the fp32 weights under another name."""
+    if source.endswith(".gguf") and Path(source).is_file():
+        from scripts.prepare.gguf_grid import FOUR_BIT
+
+        types = gguf_tensor_types(Path(source))
+        if any(types[kind] for kind in FOUR_BIT):
+            return None
+        return (f"{variant} keeps a GGUF file's 4-bit tensors ({', '.join(FOUR_BIT)}) on their own grid and the others "
+                f"in fp32, but none of {Path(source).name}'s layer tensors is 4-bit: they are "
+                + ", ".join(f"{count} {kind}" for kind, count in types.most_common())
+                + ". Nothing was built. Serve QUANT=fp32 (the export, exact) or fp16, or QUANT=fast (not exact by "
+                  "design)")
     off, seen = off_grid_matrices(weights_dir, bits, block_size)
     if not off:
         return None
     examples = ", ".join(f"{o.name} ({'rows not whole blocks' if o.levels < 0 else f'{o.levels} values'})"
                          for o in off[:3])
-    kinds = ""
-    if source.endswith(".gguf") and Path(source).is_file():
-        kinds = " The file's layer tensors are " + ", ".join(
-            f"{count} {kind}" for kind, count in gguf_tensor_types(Path(source)).most_common()) + "."
     return (f"{variant} is exact only for weights already on a {bits}-bit grid in blocks of {block_size} (GGUF "
             f"Q4_0, Q4_1 or Q4_K layer tensors): {len(off)} of {seen} layer matrices of {weights_dir} hold more than "
-            f"{2 ** bits} values in a block, e.g. {examples}.{kinds} Nothing was built. Serve QUANT=fp32 (the export) "
+            f"{2 ** bits} values in a block, e.g. {examples}. Nothing was built. Serve QUANT=fp32 (the export) "
             f"or fp16, or QUANT=fast (not exact by design), or build {variant} anyway with --keep-inexact "
             f"(KEEP_INEXACT=1)")

@@ -1,0 +1,168 @@
+"""GGUF files of the types people download, written from a tiny random Llama by scripts/bench/gguf_files.py: each
+4-bit type read as the file's own grid (scripts/prepare/gguf_grid.py), the exact int4 variant built on that grid equal
+to the fp32 export of the same file and served token-exact, the other types kept fp32, and a file with no 4-bit layer
+tensor refused before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from scripts.bench import gguf_files
+from scripts.paths import PROJECT_ROOT
+from scripts.prepare import block_quantization, quantize, source_grid
+from scripts.prepare.gguf_grid import FileGrids, decode
+from tests.helpers import export_tiny
+
+# One file, one layer per family of types: Q4_0, Q4_1, and Q4_K_M's mix (its last layer holds attn_v and ffn_down in
+# Q6_K, so that its fused q/k/v matrix mixes a 4-bit and a 6-bit type).
+LAYER_PRESETS = ["Q4_0", "Q4_1", "Q4_K_M"]
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+def weights(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_each_4_bit_type_is_read_as_its_own_grid_and_kept_exactly(kind):
+    values = weights(16, 512)
+    blocks = gguf_files.encode(values, kind)
+    stored = dequantize(blocks, GGMLQuantizationType[kind]).reshape(values.shape)
+    grid = decode(kind, blocks.reshape(len(values), -1), values.shape[1])
+    assert np.array_equal(grid.values(), stored)  # the same arithmetic as gguf's dequantize: bit for bit
+    assert grid.codes.max() <= 15
+
+    weight = stored.T  # a MatMul's [K, N]
+    kept = block_quantization.from_grid(grid.codes, grid.scales, grid.offsets)
+    assert np.array_equal(kept.codes().reshape(len(values), -1), grid.codes)
+    assert kept.residual_spread(weight) <= 1e-6 * np.abs(weight).max()
+    # The grid found again from each block's min and max is Q4_1's own (its blocks reach both ends by construction),
+    # not Q4_0's (d = max|w| / 8 leaves code 15 unused in most blocks): its weights would be rounded a second time.
+    # (Q4_K's blocks miss an end when llama.cpp's search picks their scales; this encoder's seldom do.)
+    again = block_quantization.quantize(weight, 4)
+    if kind != "Q4_K":
+        assert (again.residual_spread(weight) <= 1e-6 * np.abs(weight).max()) == (kind == "Q4_1")
+
+
+@pytest.mark.parametrize("kind, levels", [("Q4_K", 16), ("Q5_K", 32), ("Q6_K", 64)])
+def test_the_k_quant_encoders_write_blocks_that_gguf_reads_back(kind, levels):
+    values = weights(4, 1024, seed=1)
+    stored = dequantize(gguf_files.encode(values, kind), GGMLQuantizationType[kind]).reshape(values.shape)
+    assert np.abs(stored - values).max() < 4 * np.abs(values).max() / levels
+    # Written again from what was read, the same values: the blocks hold exactly the grid they claim.
+    again = dequantize(gguf_files.encode(stored, kind), GGMLQuantizationType[kind]).reshape(values.shape)
+    assert np.array_equal(again, stored)
+
+
+def test_the_presets_give_each_tensor_the_type_llama_quantize_does():
+    assert gguf_files.tensor_type("Q4_K_M", "blk.0.attn_q.weight", 256, 3) == "Q4_K"
+    assert gguf_files.tensor_type("Q4_K_M", "blk.2.attn_v.weight", 256, 3) == "Q6_K"  # a layer with more bits
+    assert gguf_files.tensor_type("Q4_K_M", "blk.1.attn_v.weight", 256, 3) == "Q4_K"
+    assert gguf_files.tensor_type("Q5_K_M", "blk.0.ffn_down.weight", 576, 30) == "Q8_0"  # Q6_K's fallback
+    assert gguf_files.tensor_type("Q4_K_M", "blk.5.ffn_up.weight", 576, 30) == "Q5_0"  # SmolLM2's 576-wide rows
+    assert gguf_files.tensor_type("Q4_0", "token_embd.weight", 576, 30) == "Q8_0"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(model_dir, tmp_path_factory) -> Path:
+    """A Hugging Face folder: a 3-layer random Llama 256 wide (rows of whole K-quant super-blocks), SmolLM2's
+    tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny_llama_256")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         initializer_range=0.1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def mixed_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.mixed.gguf"
+    types = gguf_files.write(tiny_llama_dir, LAYER_PRESETS, path, chat_template=TEMPLATE)
+    assert {types[f"blk.{i}.ffn_up.weight"] for i in range(3)} == {"Q4_0", "Q4_1", "Q4_K"}
+    assert types["blk.2.attn_v.weight"] == types["blk.2.ffn_down.weight"] == "Q6_K"
+    return path
+
+
+def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tiny_llama_dir, mixed_gguf, tmp_path):
+    q8 = tmp_path / "tiny.Q8_0.gguf"
+    gguf_files.write(tiny_llama_dir, "Q8_0", q8)
+    why = source_grid.refusal(tiny_llama_dir, str(q8), "int4", 4, 32)
+    assert "none of tiny.Q8_0.gguf's layer tensors is 4-bit: they are 21 Q8_0" in why and "Nothing was built" in why
+    assert source_grid.refusal(tiny_llama_dir, str(mixed_gguf), "int4", 4, 32) is None
+
+
+def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
+    """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
+    by value. A matrix holding one row of another type is not put on a 4-bit grid."""
+    from gguf import GGUFReader
+
+    grids = FileGrids(mixed_gguf)
+    tensors = {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
+               for t in GGUFReader(str(mixed_gguf)).tensors if t.name.startswith("blk.")}
+    packed = np.concatenate([tensors["blk.0.attn_k.weight"][::-1], tensors["blk.1.attn_q.weight"]])
+    match = grids.match(packed.T)
+    assert match.grid is not None and dict(match.types) == {"Q4_0": 128, "Q4_1": 256}
+    assert np.array_equal(match.grid.values(), packed)
+    mixed = grids.match(np.concatenate([tensors["blk.2.attn_q.weight"], tensors["blk.2.attn_v.weight"]]).T)
+    assert mixed.grid is None and set(mixed.types) == {"Q4_K", "Q6_K"} and mixed.missing == 0
+    unknown = grids.match(np.concatenate([tensors["blk.0.attn_q.weight"], np.ones((1, 256), np.float32)]).T)
+    assert unknown.grid is None and unknown.missing == 1
+
+
+@pytest.fixture(scope="session")
+def mixed_int4(mixed_gguf, tmp_path_factory) -> Path:
+    """`make model SOURCE=tiny.mixed.gguf QUANT=int4`: the fp32 export, then the exact variant with its parity check
+    on the 42 load-test prompts."""
+    export = tmp_path_factory.mktemp("gguf_export") / "model"
+    export_tiny(mixed_gguf, export)
+    command = [sys.executable, "-m", "scripts.prepare.quantize", "--quant", "int4", "--source", str(export)]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return quantize.variant_dir(export, "int4")
+
+
+@pytest.mark.server
+def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_int4):
+    report = json.loads((mixed_int4 / "parity_report.json").read_text())
+    assert report["passed"] and report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"] == 42
+    assert report["build"]["matrices"] == {
+        # per layer the packed q/k/v, o, gate, up and down; on the last, q/k/v (v in Q6_K) and down stay fp32
+        quantize.FILE_GRID: {"Q4_0": 5, "Q4_1": 5, "Q4_K": 3},
+        quantize.KEPT_FP32: {"Q4_K+Q6_K": 1, "Q6_K": 1},
+    }
+    # The tokenizer and its chat template are the file's own.
+    tokenizer = AutoTokenizer.from_pretrained(mixed_int4, local_files_only=True)
+    assert tokenizer.chat_template == TEMPLATE
+
+
+@pytest.mark.server
+def test_int4_of_a_mixed_file_is_served_token_exact(mixed_gguf, mixed_int4, servers):
+    from python_backend.serving.tokenization import PromptTokenizer
+    from scripts.clients.llm_client import GenerateClient
+    from tests.helpers import hf_greedy
+
+    settings = json.loads((mixed_int4 / "llm_settings.json").read_text())
+    hf_model = LlamaForCausalLM.from_pretrained(mixed_gguf.parent, gguf_file=mixed_gguf.name,
+                                                dtype=torch.float32).eval()
+    tokenizer = PromptTokenizer(mixed_int4)
+    client = GenerateClient(f"127.0.0.1:{servers.get(mixed_int4).http}")
+    for prompt in ["The capital of France is", "def fibonacci(n):", "用一句话介绍一下长城。"]:
+        expected = hf_greedy(hf_model, settings, tokenizer.encode(prompt, apply_chat_template=True), 24)
+        completion = client.complete({"text_input": prompt, "max_tokens": 24, "apply_chat_template": True})
+        assert completion.text == tokenizer.decode(expected), prompt
