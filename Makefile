@@ -30,7 +30,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-gguf benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -195,6 +195,12 @@ benchmark-aiperf: variants clients
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
 	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants fp32,int4,fast --peers
+
+# GGUF files of the served model as people download them (llama.cpp's convert_hf_to_gguf.py and llama-quantize on its
+# fp32 weights; GGUF_ARGS: e.g. --types Q4_K_M,Q8_0,Q4_0), each exported and built as int4 and fast, served, beside
+# llama.cpp's server on the same file (~8 min to build llama.cpp once, then ~10 min a file).
+benchmark-gguf: model
+	$(PY) -m scripts.bench.gguf_benchmark $(GGUF_ARGS)
 
 sweep: model
 	$(PY) -m loadtests.sweep --runtime $(RUNTIME) $(SWEEP_ARGS)

@@ -109,7 +109,7 @@ def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tiny_ll
 
 def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
-    by value. A matrix holding one row of another type is not put on a 4-bit grid."""
+    by value. A matrix with rows of two types comes in runs of columns; one with an unknown row has no grid."""
     from gguf import GGUFReader
 
     grids = FileGrids(mixed_gguf)
@@ -121,6 +121,8 @@ def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     assert np.array_equal(match.grid.values(), packed)
     mixed = grids.match(np.concatenate([tensors["blk.2.attn_q.weight"], tensors["blk.2.attn_v.weight"]]).T)
     assert mixed.grid is None and set(mixed.types) == {"Q4_K", "Q6_K"} and mixed.missing == 0
+    assert mixed.runs() == [(slice(0, 256), True), (slice(256, 384), False)]
+    assert np.array_equal(mixed.grid_of(slice(0, 256)).values(), tensors["blk.2.attn_q.weight"])
     unknown = grids.match(np.concatenate([tensors["blk.0.attn_q.weight"], np.ones((1, 256), np.float32)]).T)
     assert unknown.grid is None and unknown.missing == 1
 
@@ -142,9 +144,11 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
     report = json.loads((mixed_int4 / "parity_report.json").read_text())
     assert report["passed"] and report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"] == 42
     assert report["build"]["matrices"] == {
-        # per layer the packed q/k/v, o, gate, up and down; on the last, q/k/v (v in Q6_K) and down stay fp32
+        # per layer the packed q/k/v, o, gate, up and down; on the last, down (Q6_K) stays fp32 and the packed q/k/v
+        # is split: q and k on their grid, v (Q6_K) fp32
         quantize.FILE_GRID: {"Q4_0": 5, "Q4_1": 5, "Q4_K": 3},
-        quantize.KEPT_FP32: {"Q4_K+Q6_K": 1, "Q6_K": 1},
+        quantize.SPLIT: {"Q4_K+Q6_K": 1},
+        quantize.KEPT_FP32: {"Q6_K": 1},
     }
     # The tokenizer and its chat template are the file's own.
     tokenizer = AutoTokenizer.from_pretrained(mixed_int4, local_files_only=True)

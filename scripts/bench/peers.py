@@ -57,6 +57,7 @@ from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, up_to_date
 PEERS_DIR = BUILD_DIR / "peers"
 LLAMA_SOURCE = PEERS_DIR / "llama.cpp"
 LLAMA_SERVER = LLAMA_SOURCE / "build" / "bin" / "llama-server"
+LLAMA_QUANTIZE = LLAMA_SOURCE / "build" / "bin" / "llama-quantize"  # for scripts/bench/gguf_benchmark.py
 # Native CPU flags, AMX left out: this VM's CPU reports AMX, but ggml's AMX kernel dies there with an illegal
 # instruction (`tilezero`, in the warm-up run at start-up, on the Q4_1 GGUF).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -104,9 +105,10 @@ def build_llama_server() -> None:
         shutil.rmtree(unpacked)
     started = time.monotonic()
     run_logged(["cmake", "-B", "build", *LLAMA_CMAKE_OPTIONS], cwd=LLAMA_SOURCE)
-    run_logged(["nice", "-n", "10", "cmake", "--build", "build", "--target", "llama-server", "-j2"], cwd=LLAMA_SOURCE)
+    run_logged(["nice", "-n", "10", "cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j2"],
+               cwd=LLAMA_SOURCE)
     mark_complete(LLAMA_SOURCE / "build", LLAMA_MARK, {"cmake": LLAMA_CMAKE_OPTIONS})
-    log(f"llama-server built in {time.monotonic() - started:.0f} s")
+    log(f"llama-server and llama-quantize built in {time.monotonic() - started:.0f} s")
 
 
 def build_ogen_model() -> None:
@@ -132,7 +134,8 @@ def build() -> None:
 
 def llama_built() -> bool:
     """Built, and with today's options (a binary built with others is built again)."""
-    return LLAMA_SERVER.is_file() and up_to_date(LLAMA_SOURCE / "build", LLAMA_MARK, {"cmake": LLAMA_CMAKE_OPTIONS})
+    return LLAMA_SERVER.is_file() and LLAMA_QUANTIZE.is_file() and up_to_date(
+        LLAMA_SOURCE / "build", LLAMA_MARK, {"cmake": LLAMA_CMAKE_OPTIONS})
 
 
 def ogen_built() -> bool:
@@ -185,12 +188,12 @@ def reference_key(text: str, max_tokens: int) -> str:
     return hashlib.sha256(json.dumps([text, max_tokens], ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def fp32_greedy():
-    """transformers' fp32 greedy on build/model/hf, as a function (prompt ids, max_tokens) -> answer ids."""
+def fp32_greedy(hf_dir: Path = HF_DIR):
+    """transformers' fp32 greedy on hf_dir (build/model/hf), as a function (prompt ids, max_tokens) -> answer ids."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(HF_DIR, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
     def greedy(prompt: list[int], max_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
@@ -241,11 +244,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-server.log", context: int = 16384):
-    """A running llama-server on 127.0.0.1 (its URL), stopped on the way out, errors included."""
+def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-server.log", context: int = 16384,
+                 model: Path | None = None):
+    """A running llama-server on 127.0.0.1 (its URL) serving ``model`` (default: gguf_path()), stopped on the way out,
+    errors included."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [LLAMA_SERVER, "-m", gguf_path(), "-t", str(THREADS), "-np", str(slots), "-c", str(context),
+    command = [LLAMA_SERVER, "-m", model or gguf_path(), "-t", str(THREADS), "-np", str(slots), "-c", str(context),
                "--host", "127.0.0.1", "--port", str(port)]
     log(f"starting {' '.join(map(str, command))} (log: {log_path})")
     with open(log_path, "w") as server_log:
@@ -298,8 +303,9 @@ def llama_complete(url: str, prompt: list[int], max_tokens: int, cache_prompt: b
     return Answer(None, "".join(texts), count, count - (final.get("stop_type") == "eos"), first)
 
 
-def llama_runs(prompts: list[list[int]], max_tokens: list[int], port: int = 0) -> dict[str, tuple[list[Answer], float]]:
-    with llama_server(slots=len(prompts), port=port) as url:
+def llama_runs(prompts: list[list[int]], max_tokens: list[int], port: int = 0,
+               model: Path | None = None) -> dict[str, tuple[list[Answer], float]]:
+    with llama_server(slots=len(prompts), port=port, model=model) as url:
         llama_complete(url, prompts[0], 4)  # warm-up
         started = time.perf_counter()
         alone = [llama_complete(url, p, m) for p, m in zip(prompts, max_tokens)]

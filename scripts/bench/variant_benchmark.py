@@ -67,7 +67,9 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return file_cache_shape(model_dir / ONNX_FILE).bytes_per_token()
 
 
-def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -> VariantRow:
+def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int,
+            reference: list[str] | None = None) -> VariantRow:
+    """reference: fp32 PyTorch greedy's answers as text (default: the served model's, reference_texts())."""
     report = json.loads((model_dir / PARITY_REPORT_FILE).read_text())
     greedy = report.get("greedy_agreement")
     log_path = BUILD_DIR / f"benchmark-variant-{variant}.log"
@@ -87,7 +89,8 @@ def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int) -
                       kv_bytes_per_token(model_dir), model_bytes / 1e6,
                       f"{greedy['identical']}/{greedy['prompts']}" if greedy else "?",
                       greedy["mean_tokens_to_first_difference"] if greedy else float("nan"),
-                      sum(a.text == text for a, text in zip(alone, reference_texts(requests))), len(requests))
+                      sum(a.text == text for a, text in zip(alone, reference or reference_texts(requests))),
+                      len(requests))
 
 
 def reference_texts(requests: list[dict]) -> list[str]:

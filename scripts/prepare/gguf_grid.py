@@ -69,12 +69,35 @@ def decode(kind: str, data: np.ndarray, cols: int) -> Grid:
 
 @dataclass
 class Match:
-    """Where a [K, N] matrix's columns come from in the file: the 4-bit grid of every column, or None when some
-    column comes from another type (``types``) or from no tensor of the file (``missing`` columns)."""
+    """Where a [K, N] matrix's columns come from in the file: for each column the 4-bit grid row behind it, or None
+    (a row of another type, counted in ``types``, or of no tensor of the file: ``missing``)."""
 
-    grid: Grid | None
+    rows: list[tuple[Grid, int] | None]
     types: Counter = field(default_factory=Counter)  # the types of the tensors its columns come from
     missing: int = 0
+
+    @property
+    def on_grid(self) -> np.ndarray:
+        return np.array([row is not None for row in self.rows])
+
+    @property
+    def grid(self) -> Grid | None:
+        """The whole matrix's grid, if every column has one."""
+        return self.grid_of(slice(0, len(self.rows))) if self.on_grid.all() else None
+
+    def grid_of(self, columns: slice) -> Grid:
+        parts = self.rows[columns]
+        return Grid(np.stack([g.scales[r] for g, r in parts]), np.stack([g.codes[r] for g, r in parts]),
+                    np.stack([g.offsets[r] for g, r in parts]))
+
+    def runs(self) -> list[tuple[slice, bool]]:
+        """The columns in contiguous runs, each on a 4-bit grid or not (q and k apart from a 6-bit v, say)."""
+        on_grid, runs, start = self.on_grid, [], 0
+        for end in range(1, len(on_grid) + 1):
+            if end == len(on_grid) or on_grid[end] != on_grid[start]:
+                runs.append((slice(start, end), bool(on_grid[start])))
+                start = end
+        return runs
 
 
 class FileGrids:
@@ -112,13 +135,9 @@ class FileGrids:
     def match(self, weight: np.ndarray) -> Match:
         """The file's rows behind each column of a [K, N] MatMul weight."""
         found = [self._rows.get(digest) for digest in _digests(np.ascontiguousarray(weight.T, np.float32))]
-        missing = sum(f is None for f in found)
         types = Counter(self._tensors[f[0]][0] for f in found if f is not None)
-        if missing or any(kind not in FOUR_BIT for kind in types):
-            return Match(None, types, missing)
-        parts = [(self._grids[t], r) for t, r in found]
-        return Match(Grid(np.stack([g.scales[r] for g, r in parts]), np.stack([g.codes[r] for g, r in parts]),
-                          np.stack([g.offsets[r] for g, r in parts])), types)
+        rows = [(self._grids[f[0]], f[1]) if f is not None and f[0] in self._grids else None for f in found]
+        return Match(rows, types, sum(f is None for f in found))
 
 
 def _digests(rows: np.ndarray):

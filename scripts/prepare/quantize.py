@@ -48,6 +48,7 @@ MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
 KEPT_FP32 = "kept fp32 (the file's type is not 4-bit)"
+SPLIT = "split: its 4-bit columns on the file's grid, the others fp32"
 MIN_MAX_GRID = "4-bit on each block's min and max"
 
 
@@ -107,66 +108,99 @@ def constant_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
                      grids: gguf_grid.FileGrids | None = None) -> dict:
-    """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). With a GGUF file's grids,
-    a matrix whose columns all come from its 4-bit tensors keeps the file's own codes and scales, and one with columns
-    of another type of the file stays fp32 (gguf_grid.py). Returns statistics."""
-    graph = model.graph
-    initializers = {i.name: i for i in graph.initializer}
+    """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). With a GGUF file's grids
+    (gguf_grid.py), a matrix whose columns come from its 4-bit tensors keeps the file's own codes and scales, one whose
+    columns come from its other types stays fp32, and one with both is split into runs of columns, each one or the
+    other, joined by a Concat. Returns statistics."""
+    graph = _GridGraph(model, recipe)
     replaced: dict[str, list[onnx.NodeProto]] = {}
-    block_sums: dict[str, str] = {}
     spreads = []
-    made: dict[str, Counter] = {}  # what each matrix became -> the source tensor types of its columns
+    made: dict[str, Counter] = {}  # what each matrix became -> the source tensor types of its columns -> matrices
     for node in constant_matmuls(model):
         is_head = node.name == head
         if is_head and recipe.head_bits is None:
             continue
-        weight = numpy_helper.to_array(initializers[node.input[1]])
-        k, n = weight.shape
+        weight = numpy_helper.to_array(graph.initializers[node.input[1]])
         bits, symmetric = (recipe.head_bits, True) if is_head else (recipe.bits, recipe.symmetric)
+        x, y = node.input[0], node.output[0]
         match = grids.match(weight) if grids is not None and bits == 4 and not is_head else None
-        if match is not None and match.grid is None and not match.missing:
-            made.setdefault(KEPT_FP32, Counter())["+".join(sorted(match.types))] += 1
-            continue
-        if match is not None and match.grid is not None:
-            made.setdefault(FILE_GRID, Counter())["+".join(sorted(match.types))] += 1
-            matrix = block_quantization.from_grid(match.grid.codes, match.grid.scales, match.grid.offsets,
-                                                  recipe.block_size)
-        else:
+        if match is None or match.missing:
             made.setdefault(MIN_MAX_GRID, Counter())["matrices"] += 1
             matrix = block_quantization.quantize(weight, bits, recipe.block_size, symmetric)
-        spreads.append(matrix.residual_spread(weight))
-        x, y = node.input[0], node.output[0]
-        new_initializers = {f"{node.name}.q{bits}": matrix.packed, f"{node.name}.scales": matrix.scales}
-        if matrix.zero_points is not None:
-            new_initializers[f"{node.name}.zero_points"] = matrix.zero_points
-        with_residual = recipe.residual and not symmetric and bool(matrix.residual.any())
-        nodes = [helper.make_node("MatMulNBits", [x, *new_initializers], [f"{y}.blocks" if with_residual else y],
-                                  name=f"{node.name}.nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits,
-                                  block_size=recipe.block_size, accuracy_level=recipe.accuracy_level)]
-        if with_residual:
-            sums = block_sums.get(x)
-            if sums is None:
-                matrix_name = f"block_sums.{k}x{recipe.block_size}"
-                if matrix_name not in initializers:
-                    initializers[matrix_name] = numpy_helper.from_array(
-                        block_quantization.block_sum_matrix(k, recipe.block_size), matrix_name)
-                    graph.initializer.append(initializers[matrix_name])
-                sums = block_sums[x] = f"{x}.block_sums"
-                nodes.insert(0, helper.make_node("MatMul", [x, matrix_name], [sums], name=f"{node.name}.block_sums"))
-            new_initializers[f"{node.name}.residual"] = matrix.residual
-            nodes += [helper.make_node("MatMul", [sums, f"{node.name}.residual"], [f"{y}.residual"],
-                                       name=f"{node.name}.residual"),
-                      helper.make_node("Add", [f"{y}.blocks", f"{y}.residual"], [y], name=f"{node.name}.exact")]
-        graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in new_initializers.items())
+            spreads.append(matrix.residual_spread(weight))
+            replaced[y] = graph.nbits(node.name, x, y, matrix, symmetric)
+            continue
+        runs = match.runs()
+        how = FILE_GRID if runs == [(slice(0, weight.shape[1]), True)] else KEPT_FP32 if not any(
+            on_grid for _, on_grid in runs) else SPLIT
+        made.setdefault(how, Counter())["+".join(sorted(match.types))] += 1
+        if how == KEPT_FP32:
+            continue
+        nodes, parts = [], []
+        for i, (columns, on_grid) in enumerate(runs):
+            name, part = (node.name, y) if how == FILE_GRID else (f"{node.name}.part{i}", f"{y}.part{i}")
+            if on_grid:
+                grid = match.grid_of(columns)
+                matrix = block_quantization.from_grid(grid.codes, grid.scales, grid.offsets, recipe.block_size)
+                spreads.append(matrix.residual_spread(weight[:, columns]))
+                nodes += graph.nbits(name, x, part, matrix, symmetric)
+            else:
+                nodes += graph.dense(name, x, part, weight[:, columns])
+            parts.append(part)
+        if how == SPLIT:
+            nodes.append(helper.make_node("Concat", parts, [y], name=f"{node.name}.columns", axis=-1))
         replaced[y] = nodes  # output names are unique in a graph; node names need not be
     rebuilt = []
-    for node in graph.node:
+    for node in model.graph.node:
         rebuilt += replaced.get(node.output[0], [node]) if node.output else [node]
-    del graph.node[:]
-    graph.node.extend(rebuilt)
+    del model.graph.node[:]
+    model.graph.node.extend(rebuilt)
     _use_ms_domain(model)
     return {"matmuls_quantized": len(replaced), "max_residual_spread": max(spreads, default=0.0),
             "matrices": {how: dict(counts) for how, counts in made.items()}}
+
+
+class _GridGraph:
+    """The nodes and initializers that replace a graph's MatMuls; an input's block sums are computed once for all the
+    matrices it multiplies."""
+
+    def __init__(self, model: onnx.ModelProto, recipe: Recipe):
+        self.graph, self.recipe = model.graph, recipe
+        self.initializers = {i.name: i for i in model.graph.initializer}
+        self.block_sums: dict[str, str] = {}
+
+    def add(self, name: str, value: np.ndarray) -> str:
+        self.initializers[name] = numpy_helper.from_array(value, name)
+        self.graph.initializer.append(self.initializers[name])
+        return name
+
+    def dense(self, name: str, x: str, y: str, weight: np.ndarray) -> list[onnx.NodeProto]:
+        return [helper.make_node("MatMul", [x, self.add(f"{name}.weight", np.ascontiguousarray(weight))], [y],
+                                 name=name)]
+
+    def nbits(self, name: str, x: str, y: str, matrix: block_quantization.QuantizedMatrix,
+              symmetric: bool) -> list[onnx.NodeProto]:
+        recipe = self.recipe
+        k, n = matrix.shape
+        inputs = [x, self.add(f"{name}.q{matrix.bits}", matrix.packed), self.add(f"{name}.scales", matrix.scales)]
+        if matrix.zero_points is not None:
+            inputs.append(self.add(f"{name}.zero_points", matrix.zero_points))
+        with_residual = recipe.residual and not symmetric and bool(matrix.residual.any())
+        nodes = [helper.make_node("MatMulNBits", inputs, [f"{y}.blocks" if with_residual else y],
+                                  name=f"{name}.nbits", domain=MS_DOMAIN, K=k, N=n, bits=matrix.bits,
+                                  block_size=matrix.block_size, accuracy_level=recipe.accuracy_level)]
+        if with_residual:
+            sums = self.block_sums.get(x)
+            if sums is None:
+                sums_matrix = f"block_sums.{k}x{matrix.block_size}"
+                if sums_matrix not in self.initializers:
+                    self.add(sums_matrix, block_quantization.block_sum_matrix(k, matrix.block_size))
+                sums = self.block_sums[x] = f"{x}.block_sums"
+                nodes.insert(0, helper.make_node("MatMul", [x, sums_matrix], [sums], name=f"{name}.block_sums"))
+            nodes += [helper.make_node("MatMul", [sums, self.add(f"{name}.residual", matrix.residual)],
+                                       [f"{y}.residual"], name=f"{name}.residual"),
+                      helper.make_node("Add", [f"{y}.blocks", f"{y}.residual"], [y], name=f"{name}.exact")]
+        return nodes
 
 
 def quantize_with_onnxruntime(model: onnx.ModelProto, recipe: Recipe, head: str | None) -> onnx.ModelProto:
