@@ -53,7 +53,12 @@ def make_files(types: list[str]) -> dict[str, Path]:
     OUTPUT.mkdir(parents=True, exist_ok=True)
     f32 = OUTPUT / "smollm2-f32.gguf"
     if not f32.is_file():
-        env = {**os.environ, "PYTHONPATH": str(peers.LLAMA_SOURCE / "gguf-py")}
+        # The converter imports sentencepiece even for a BPE tokenizer: installed beside it, kept out of .venv.
+        deps = peers.PEERS_DIR / "converter-deps"
+        if not (deps / "sentencepiece").is_dir():
+            peers.run_logged([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", deps,
+                              "sentencepiece"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(peers.LLAMA_SOURCE / "gguf-py"), str(deps)])}
         command = [sys.executable, peers.LLAMA_SOURCE / "convert_hf_to_gguf.py", EXPORT_DIR / "hf", "--outtype",
                    "f32", "--outfile", f32]
         peers.run_logged(command, env=env)
