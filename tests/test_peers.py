@@ -225,11 +225,15 @@ def test_the_table_has_a_row_per_peer_with_its_numbers():
 def test_a_llama_server_built_with_other_options_is_built_again(tmp_path, monkeypatch):
     source = tmp_path / "llama.cpp"
     (source / "build" / "bin").mkdir(parents=True)
-    (source / "build" / "bin" / "llama-server").write_text("")
+    for binary in ("llama-server", "llama-quantize"):
+        (source / "build" / "bin" / binary).write_text("")
     monkeypatch.setattr(peers, "LLAMA_SOURCE", source)
     monkeypatch.setattr(peers, "LLAMA_SERVER", source / "build" / "bin" / "llama-server")
-    assert not peers.llama_built(), "a binary without its mark (an interrupted or older build)"
+    monkeypatch.setattr(peers, "LLAMA_QUANTIZE", source / "build" / "bin" / "llama-quantize")
+    assert not peers.llama_built(), "binaries without their mark (an interrupted or older build)"
     (source / "build" / peers.LLAMA_MARK).write_text(json.dumps({"cmake": ["-DGGML_NATIVE=ON"]}))
     assert not peers.llama_built()
     (source / "build" / peers.LLAMA_MARK).write_text(json.dumps({"cmake": peers.LLAMA_CMAKE_OPTIONS}))
     assert peers.llama_built()
+    (source / "build" / "bin" / "llama-quantize").unlink()
+    assert not peers.llama_built(), "a build from before llama-quantize was built beside the server"
