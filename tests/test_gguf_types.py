@@ -127,6 +127,26 @@ def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     assert unknown.grid is None and unknown.missing == 1
 
 
+def test_a_file_is_parsed_once_while_it_is_unchanged(mixed_gguf, tmp_path):
+    import os
+    import shutil
+
+    import gguf
+
+    from scripts.prepare.gguf_reader import open_gguf, parsed_once
+
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(mixed_gguf, copy)
+    first = open_gguf(copy)
+    assert open_gguf(str(copy)) is first
+    with parsed_once():  # what transformers' loaders open while the export loads a GGUF
+        assert gguf.GGUFReader(copy) is first
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # written again, the same size
+    assert open_gguf(copy) is not first
+
+
 @pytest.fixture(scope="session")
 def mixed_int4(mixed_gguf, tmp_path_factory) -> Path:
     """`make model SOURCE=tiny.mixed.gguf QUANT=int4`: the fp32 export, then the exact variant with its parity check

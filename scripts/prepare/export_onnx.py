@@ -98,11 +98,14 @@ def load_source(source: Path, output: Path):
     """Returns (hf_dir, model, tokenizer). A GGUF file is dequantized once into output/hf."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from scripts.prepare.gguf_reader import parsed_once
+
     if source.is_file():
         hf_dir = output / "hf"
         log(f"loading GGUF {source.name} (dequantizes to fp32, ~30 s)")
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         # The weights are dense fp32 now; only the leftover quantization config blocks save_pretrained.
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)

@@ -104,15 +104,16 @@ class FileGrids:
     """A GGUF file's layer tensors ("blk.*", 2-D), indexed by the values of their rows."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
         from gguf.quants import dequantize
+
+        from scripts.prepare.gguf_reader import open_gguf
 
         self.path = Path(path)
         self.types: Counter = Counter()
         self._tensors = []  # (type name, raw data, cols)
         self._rows: dict[bytes, tuple[int, int]] = {}
         self._grids: dict[int, Grid] = {}
-        for tensor in GGUFReader(str(path)).tensors:
+        for tensor in open_gguf(path).tensors:
             if not tensor.name.startswith("blk.") or len(tensor.shape) != 2:
                 continue
             kind = tensor.tensor_type.name
