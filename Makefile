@@ -138,13 +138,14 @@ test-setup:
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
 # The files are spread over TEST_WORKERS processes (pytest-xdist), each file on one worker, so that a worker starts a
-# shared server at most once (0: one process, no workers). Python may keep bytecode for the next run whatever the
-# shell says (PYTHONDONTWRITEBYTECODE): pytest's rewritten test files are then not rewritten each time.
+# shared server at most once (0: one process, no workers); the longest files go first (tests/conftest.py). Python may
+# keep bytecode for the next run whatever the shell says (PYTHONDONTWRITEBYTECODE): pytest's rewritten test files are
+# then not rewritten each time.
 TEST_WORKERS ?= 2
 test: test-setup
 	@started=$$(date +%s); \
 	env -u PYTHONDONTWRITEBYTECODE TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) \
-		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS); status=$$?; \
+		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status
 
 benchmark: variants

@@ -238,12 +238,42 @@ def _server_source(item) -> str | None:
 _UNMARKED = pytest.StashKey[str]()
 
 
+# The files that take longest, longest first (their summed --durations in a `make test` on the 2-core machine, in
+# seconds: docs/testing.md). `make test` hands whole files to whichever worker is free, in collection order
+# (`--dist loadfile --no-loadscope-reorder`): a long file that came last would run alone at the end. xdist's own
+# order (most tests first) put the tiny models, the quick sweep and Ray last. The other files follow in name order.
+LONGEST_FIRST = [
+    "test_gguf_types.py",  # 167
+    "test_tiny_model.py",  # 165
+    "test_loadtests.py",  # 128
+    "test_ray_batch.py",  # 122
+    "test_server.py",  # 92
+    "test_recovery.py",  # 87
+    "test_batch_api.py",  # 78
+    "test_quantized_variants.py",  # 76
+    "test_lm_eval.py",  # 68
+    "test_streaming.py",  # 67
+    "test_fault_isolation.py",  # 56
+    "test_client_libraries.py",  # 55
+    "test_limits.py",  # 45
+    "test_strategies.py",  # 43
+    "test_openai_api.py",  # 37
+    "test_prefix_cache_server.py",  # 34
+]
+
+
+def longest_first(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     for item in items:
         source = _server_source(item) if isinstance(item, pytest.Function) else None
         if source is not None and not item.get_closest_marker("server"):
             item.stash[_UNMARKED] = source
+    longest_first(items)
 
 
 @pytest.hookimpl(tryfirst=True)  # before its fixtures start anything

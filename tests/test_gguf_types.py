@@ -110,11 +110,11 @@ def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tiny_ll
 def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
     by value. A matrix with rows of two types comes in runs of columns; one with an unknown row has no grid."""
-    from gguf import GGUFReader
+    from scripts.prepare.gguf_reader import open_gguf
 
     grids = FileGrids(mixed_gguf)
     tensors = {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
-               for t in GGUFReader(str(mixed_gguf)).tensors if t.name.startswith("blk.")}
+               for t in open_gguf(mixed_gguf).tensors if t.name.startswith("blk.")}
     packed = np.concatenate([tensors["blk.0.attn_k.weight"][::-1], tensors["blk.1.attn_q.weight"]])
     match = grids.match(packed.T)
     assert match.grid is not None and dict(match.types) == {"Q4_0": 128, "Q4_1": 256}
@@ -127,24 +127,28 @@ def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     assert unknown.grid is None and unknown.missing == 1
 
 
-def test_a_file_is_parsed_once_while_it_is_unchanged(mixed_gguf, tmp_path):
+def test_a_file_is_parsed_once_while_it_is_unchanged(tmp_path):
     import os
-    import shutil
 
     import gguf
 
     from scripts.prepare.gguf_reader import open_gguf, parsed_once
 
-    copy = tmp_path / "copy.gguf"
-    shutil.copy(mixed_gguf, copy)
-    first = open_gguf(copy)
-    assert open_gguf(str(copy)) is first
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", np.ones((2, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first and [t.name for t in first.tensors] == ["blk.0.ffn_up.weight"]
     with parsed_once():  # what transformers' loaders open while the export loads a GGUF
-        assert gguf.GGUFReader(copy) is first
+        assert gguf.GGUFReader(path) is first
     assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
-    stat = copy.stat()
-    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # written again, the same size
-    assert open_gguf(copy) is not first
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # written again, the same size
+    assert open_gguf(path) is not first
 
 
 @pytest.fixture(scope="session")

@@ -66,3 +66,17 @@ def test_the_check_sees_a_copy(tmp_path):
     [a], [b], [c] = (definitions(tmp_path / f"{x}.py").values() for x in "abc")
     assert body_shape(a) == body_shape(b) is not None
     assert body_shape(c) is None
+
+
+def test_the_longest_files_named_first_exist_and_run_first():
+    from types import SimpleNamespace
+
+    from tests.conftest import LONGEST_FIRST, longest_first
+
+    names = {path.name for path in suite_files()}
+    assert set(LONGEST_FIRST) <= names, f"renamed or removed: {set(LONGEST_FIRST) - names}"
+    items = [SimpleNamespace(path=TESTS / name, order=i) for i, name in
+             enumerate(["test_a.py", LONGEST_FIRST[1], "test_a.py", LONGEST_FIRST[0], LONGEST_FIRST[1]])]
+    longest_first(items)
+    assert [(item.path.name, item.order) for item in items] == [
+        (LONGEST_FIRST[0], 3), (LONGEST_FIRST[1], 1), (LONGEST_FIRST[1], 4), ("test_a.py", 0), ("test_a.py", 2)]
