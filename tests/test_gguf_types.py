@@ -99,12 +99,31 @@ def mixed_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     return path
 
 
-def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tiny_llama_dir, mixed_gguf, tmp_path):
-    q8 = tmp_path / "tiny.Q8_0.gguf"
-    gguf_files.write(tiny_llama_dir, "Q8_0", q8)
-    why = source_grid.refusal(tiny_llama_dir, str(q8), "int4", 4, 32)
-    assert "none of tiny.Q8_0.gguf's layer tensors is 4-bit: they are 21 Q8_0" in why and "Nothing was built" in why
-    assert source_grid.refusal(tiny_llama_dir, str(mixed_gguf), "int4", 4, 32) is None
+def small_gguf(path: Path, tensors: dict[str, str]) -> Path:
+    """A GGUF file of only these tensors (name -> type), 2 rows of 256 each, without the tokenizer a model's file
+    carries: its header says what a big file's would."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, kind in tensors.items():
+        writer.add_tensor(name, gguf_files.encode(weights(2, 256), kind), raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tmp_path):
+    eight_bit = {**{f"blk.{i}.ffn_up.weight": "Q8_0" for i in range(3)}, "blk.0.attn_v.weight": "Q6_K",
+                 "token_embd.weight": "Q4_0"}  # not a layer tensor: it does not count
+    q8 = small_gguf(tmp_path / "tiny.Q8_0.gguf", eight_bit)
+    why = source_grid.refusal(tmp_path, str(q8), "int4", 4, 32)
+    assert "none of tiny.Q8_0.gguf's layer tensors is 4-bit: they are 3 Q8_0, 1 Q6_K." in why
+    assert "Nothing was built" in why
+    for kind in ("Q4_0", "Q4_1", "Q4_K"):
+        one_4_bit = small_gguf(tmp_path / f"tiny.{kind}.gguf", {**eight_bit, "blk.2.attn_q.weight": kind})
+        assert source_grid.refusal(tmp_path, str(one_4_bit), "int4", 4, 32) is None, kind
 
 
 def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
@@ -134,13 +153,7 @@ def test_a_file_is_parsed_once_while_it_is_unchanged(tmp_path):
 
     from scripts.prepare.gguf_reader import open_gguf, parsed_once
 
-    path = tmp_path / "small.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", np.ones((2, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = small_gguf(tmp_path / "small.gguf", {"blk.0.ffn_up.weight": "Q4_0"})
     first = open_gguf(path)
     assert open_gguf(str(path)) is first and [t.name for t in first.tensors] == ["blk.0.ffn_up.weight"]
     with parsed_once():  # what transformers' loaders open while the export loads a GGUF
