@@ -54,7 +54,7 @@ def test_each_4_bit_type_is_read_as_its_own_grid_and_kept_exactly(kind):
         assert (again.residual_spread(weight) <= 1e-6 * np.abs(weight).max()) == (kind == "Q4_1")
 
 
-@pytest.mark.parametrize("kind, levels", [("Q4_K", 16), ("Q5_K", 32), ("Q6_K", 64)])
+@pytest.mark.parametrize("kind, levels", [("Q4_K", 16), ("Q5_K", 32), ("Q6_K", 64), ("IQ4_NL", 16)])
 def test_the_k_quant_encoders_write_blocks_that_gguf_reads_back(kind, levels):
     values = weights(4, 1024, seed=1)
     stored = dequantize(gguf_files.encode(values, kind), GGMLQuantizationType[kind]).reshape(values.shape)
@@ -119,8 +119,11 @@ def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tmp_pat
                  "token_embd.weight": "Q4_0"}  # not a layer tensor: it does not count
     q8 = small_gguf(tmp_path / "tiny.Q8_0.gguf", eight_bit)
     why = source_grid.refusal(tmp_path, str(q8), "int4", 4, 32)
-    assert "none of tiny.Q8_0.gguf's layer tensors is 4-bit: they are 3 Q8_0, 1 Q6_K." in why
+    assert "none of tiny.Q8_0.gguf's layer tensors is of those types: they are 3 Q8_0, 1 Q6_K." in why
     assert "Nothing was built" in why
+    iq = small_gguf(tmp_path / "tiny.IQ4_NL.gguf", {f"blk.{i}.ffn_up.weight": "IQ4_NL" for i in range(2)})
+    assert "they are 2 IQ4_NL (IQ4_NL map their codes through a table" in source_grid.refusal(tmp_path, str(iq), "int4",
+                                                                                                4, 32)
     for kind in ("Q4_0", "Q4_1", "Q4_K"):
         one_4_bit = small_gguf(tmp_path / f"tiny.{kind}.gguf", {**eight_bit, "blk.2.attn_q.weight": kind})
         assert source_grid.refusal(tmp_path, str(one_4_bit), "int4", 4, 32) is None, kind

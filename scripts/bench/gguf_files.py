@@ -108,6 +108,19 @@ def encode_q6_k(blocks: np.ndarray) -> np.ndarray:
 K_ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k}
 
 
+def encode_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """[n, 32] -> [n, 18]: d, then 16 bytes of codes into IQ4_NL's table of 16 unevenly spaced values (the block's
+    first 16 in the low nibbles, the next 16 in the high ones): each weight the nearest d · table[q]."""
+    from gguf.quants import IQ4_NL
+
+    table = np.array(IQ4_NL.kvalues, np.float32)
+    extreme = np.take_along_axis(values, np.abs(values).argmax(1)[:, None], 1)
+    d = (extreme / table[0]).astype(np.float16)  # the largest weight on the table's widest value, as llama.cpp starts
+    scaled = values / np.where(d == 0, 1, d.astype(np.float32))
+    codes = np.abs(scaled[:, :, None] - table).argmin(-1).astype(np.uint8)
+    return np.concatenate([d.view(np.uint8), codes[:, :16] | (codes[:, 16:] << 4)], axis=1)
+
+
 def encode(values: np.ndarray, kind: str) -> np.ndarray:
     """A [rows, cols] float32 tensor in a GGUF type: the array GGUFWriter.add_tensor takes (bytes per row)."""
     from gguf import GGMLQuantizationType
@@ -120,6 +133,8 @@ def encode(values: np.ndarray, kind: str) -> np.ndarray:
     if kind in K_ENCODERS:
         rows = values.shape[0]
         return K_ENCODERS[kind](values.astype(np.float32).reshape(-1, SUPER_BLOCK)).reshape(rows, -1)
+    if kind == "IQ4_NL":  # gguf-py reads it but does not write it
+        return encode_iq4_nl(values.astype(np.float32).reshape(-1, 32)).reshape(values.shape[0], -1)
     return quantize(values.astype(np.float32), GGMLQuantizationType[kind])
 
 

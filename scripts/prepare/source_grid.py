@@ -72,9 +72,12 @@ def refusal(weights_dir: Path, source: str, variant: str, bits: int, block_size:
         types = gguf_tensor_types(Path(source))
         if any(types[kind] for kind in FOUR_BIT):
             return None
+        codebook = [kind for kind in types if kind.startswith("IQ")]
         return (f"{variant} keeps a GGUF file's 4-bit tensors ({', '.join(FOUR_BIT)}) on their own grid and the others "
-                f"in fp32, but none of {Path(source).name}'s layer tensors is 4-bit: they are "
+                f"in fp32, but none of {Path(source).name}'s layer tensors is of those types: they are "
                 + ", ".join(f"{count} {kind}" for kind, count in types.most_common())
+                + (f" ({'/'.join(codebook)} map their codes through a table of unevenly spaced values, which no "
+                   "integer grid holds)" if codebook else "")
                 + ". Nothing was built. Serve QUANT=fp32 (the export, exact) or fp16, or QUANT=fast (not exact by "
                   "design)")
     off, seen = off_grid_matrices(weights_dir, bits, block_size)
