@@ -34,3 +34,36 @@ def test_every_architectures_config_is_tiny_and_keeps_its_own_features(model_dir
     assert tiny["gemma2 (soft caps, sliding window)"].attn_logit_softcapping == 5.0
     assert tiny["granite (multipliers)"].logits_scaling == 8.0
     assert tiny["qwen2 (biases)"].model_type == "qwen2" and tiny["olmo2 (post-norms, q/k norms)"].model_type == "olmo2"
+
+
+def test_a_sliding_window_the_fused_graph_leaves_out_caps_the_fused_variants_context(tmp_path):
+    """Mistral v0.1 and Phi-3-mini-4k window every layer without naming them in `layer_types`; the builder then
+    gives every layer full attention, the same answers while a sequence fits in the window: the fused variants' served
+    context is capped there. The export's own graph applies the window, so fp16 keeps the model's context."""
+    import json
+
+    import transformers as tf
+
+    from python_backend.model_files import SETTINGS_FILE
+    from scripts.prepare import quantize
+
+    def context_of(name: str, config: dict, recipe: str) -> int:
+        export = tmp_path / name
+        (export / "hf").mkdir(parents=True, exist_ok=True)
+        (export / "hf" / "config.json").write_text(json.dumps(config))
+        (export / SETTINGS_FILE).write_text(json.dumps({"max_position_embeddings": 4096, "eos_token_ids": [2]}))
+        output = tmp_path / f"{name}-{recipe}"
+        output.mkdir(exist_ok=True)
+        quantize.copy_model_files(export, output, quantize.RECIPES[recipe])
+        return json.loads((output / SETTINGS_FILE).read_text())["max_position_embeddings"]
+
+    phi3 = tf.Phi3Config(sliding_window=2047).to_dict()
+    assert context_of("phi3", phi3, "fast") == context_of("phi3", phi3, "int4") == 2047
+    assert context_of("phi3", phi3, "fp16") == 4096
+    assert context_of("mistral", tf.MistralConfig(sliding_window=1024).to_dict(), "fast") == 1024
+    assert context_of("mistral-wide", tf.MistralConfig(sliding_window=8192).to_dict(), "fast") == 4096
+    assert context_of("mistral-none", tf.MistralConfig(sliding_window=None).to_dict(), "fast") == 4096
+    # Qwen2's saved configs keep a window they do not use
+    unused = {"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}
+    assert context_of("qwen2", unused, "fast") == 4096
+    assert context_of("llama", tf.LlamaConfig().to_dict(), "fast") == 4096

@@ -54,6 +54,19 @@ def refusal(hf_dir: Path, variant: str) -> str | None:
             f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (the export, exact) or fp16")
 
 
+def unwindowed_limit(hf_dir: Path) -> int | None:
+    """The longest sequence the fused graph computes as the model does, or None when nothing limits it. A config with
+    a `sliding_window` but no `layer_types` (Mistral v0.1's 4096, Phi-3-mini-4k's 2047) has every layer windowed in
+    transformers, while the builder reads which layers are windowed from `layer_types` only and gives them all full
+    attention: the two agree while a sequence fits in the window (token i sees i - window < j <= i), and not beyond.
+    (Sliding layers named in `layer_types` are refused instead: refusal().)"""
+    config = json.loads((hf_dir / "config.json").read_text())
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False or config.get("layer_types"):
+        return None
+    return int(window)
+
+
 def head_size(hf_dir: Path) -> int:
     config = json.loads((hf_dir / "config.json").read_text())
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

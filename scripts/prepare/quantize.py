@@ -285,6 +285,13 @@ def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
     settings = json.loads((source / SETTINGS_FILE).read_text())
     settings["quantization"] = recipe.name
     settings["quantization_recipe"] = asdict(recipe)
+    window = fused_graph.unwindowed_limit(source_weights(source)) if recipe.graph == "fused" else None
+    if window is not None and window < settings["max_position_embeddings"]:
+        # The engine caps prompt + max_tokens at this: no sequence outgrows the window the fused graph leaves out.
+        log(f"{recipe.name}: contexts capped at the model's sliding window, {window} tokens (the fused graph attends "
+            "to the whole sequence, the model to its window)")
+        settings["max_position_embeddings"] = window
+        settings["context_capped_by"] = f"sliding_window {window}"
     (output / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
 
 
