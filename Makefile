@@ -7,16 +7,17 @@ PY := $(VENV)/bin/python
 # onnxruntime-cuda, onnxruntime-tensorrt, tensorrt (an engine from `make engine`). A GPU runtime serves a copy of
 # model_repository/ rendered into build/model_repository-RUNTIME (scripts/launcher/render_model_repository.py).
 RUNTIME ?= onnxruntime
-# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32 (the export), int4, fast, fp16
+# QUANT picks the weights' variant for model, serve, demo and benchmark: fp32, int4, fast, fp16
 # (scripts/prepare/quantize.py; int8 and int4-fast are fast's old names). EXPORT_DIR holds the fp32 export; each variant
-# lands in EXPORT_DIR-QUANT. int4 and fast are fused graphs whose KV cache is written in place, for the CPU runtime; the
-# GPU runtimes default to fp32, the export's own graph (TensorRT parses neither the fused graph nor MatMulNBits).
+# lands in EXPORT_DIR-QUANT, built on the fused graph whose KV cache is written in place (one layout, prefix caching),
+# for the CPU runtime. The GPU runtimes serve the export itself, its own graph and padded cache (TensorRT parses
+# neither the fused graph nor MatMulNBits): QUANT=fp32 with a GPU RUNTIME is EXPORT_DIR.
 QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
 override QUANT := $(patsubst int8,fast,$(patsubst int4-fast,fast,$(QUANT)))
-QUANTS := int4 fast fp16
+QUANTS := fp32 int4 fast fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
-MODEL_DIR ?= $(if $(filter fp32,$(QUANT)),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
+MODEL_DIR ?= $(if $(and $(filter fp32,$(QUANT)),$(filter-out onnxruntime,$(RUNTIME))),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
 SOURCE ?=
 # make engine: the TensorRT engine's precision (fp16, bf16, fp32), written to EXPORT_DIR/tensorrt/model.plan.
 PRECISION ?= fp16
@@ -88,8 +89,8 @@ lint: $(LINT_VENV)/.installed
 
 model: venv
 	$(PY) -m scripts.prepare.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
-	$(if $(filter-out fp32,$(QUANT)),$(PY) -m scripts.prepare.quantize --quant $(QUANT) --source $(EXPORT_DIR) \
-		$(if $(KEEP_INEXACT),--keep-inexact))
+	$(if $(filter-out $(abspath $(EXPORT_DIR)),$(abspath $(MODEL_DIR))),$(PY) -m scripts.prepare.quantize \
+		--quant $(QUANT) --source $(EXPORT_DIR) --output $(MODEL_DIR) $(if $(KEEP_INEXACT),--keep-inexact))
 
 # The folder that serve, demo and benchmark use (docker/compose.yaml asks it).
 model-dir:
@@ -150,7 +151,7 @@ test: test-setup
 
 benchmark: variants
 	$(PY) -m scripts.bench.benchmark --runtime $(RUNTIME) --model-dir $(MODEL_DIR) --export-dir $(EXPORT_DIR) \
-		--variants fp32,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
+		--variants export,$(subst $(eval) ,$(comma),$(QUANTS)) $(if $(PEERS),--peers)
 	$(PY) -m scripts.bench.structured_benchmark --model-dir $(MODEL_DIR)
 	$(PY) -m scripts.bench.batch_benchmark --model-dir $(MODEL_DIR)
 
@@ -195,7 +196,7 @@ benchmark-aiperf: variants clients
 
 benchmark-peers: variants
 	$(PY) -m scripts.bench.peers --build-only
-	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants fp32,int4,fast --peers
+	$(PY) -m scripts.bench.variant_benchmark --export-dir $(EXPORT_DIR) --variants export,fp32,int4,fast --peers
 
 # GGUF files of the served model as people download them (llama.cpp's convert_hf_to_gguf.py and llama-quantize on its
 # fp32 weights; GGUF_ARGS: e.g. --types Q4_K_M,Q8_0,Q4_0), each exported and built as int4 and fast, served, beside

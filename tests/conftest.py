@@ -114,8 +114,9 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(servers, model_dir):
-    """A real tritonserver with the project's model repository serving the fp32 export, on free loopback ports."""
-    return servers.get(model_dir)
+    """A real tritonserver with the project's model repository serving fp32 as `make serve QUANT=fp32` does (the fp32
+    variant: the export's weights on the fused graph and its slot cache), on free loopback ports."""
+    return servers.get(variant_folder(model_dir, "fp32"))
 
 
 @pytest.fixture(scope="session")

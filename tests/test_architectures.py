@@ -39,7 +39,8 @@ def test_every_architectures_config_is_tiny_and_keeps_its_own_features(model_dir
 def test_a_sliding_window_the_fused_graph_leaves_out_caps_the_fused_variants_context(tmp_path):
     """Mistral v0.1 and Phi-3-mini-4k window every layer without naming them in `layer_types`; the builder then
     gives every layer full attention, the same answers while a sequence fits in the window: the fused variants' served
-    context is capped there. The export's own graph applies the window, so fp16 keeps the model's context."""
+    context is capped there. fp32 and fp16 are built on the export's own graph instead, which applies the window, and
+    keep the model's context; a window as long as the context needs neither."""
     import json
 
     import transformers as tf
@@ -54,12 +55,14 @@ def test_a_sliding_window_the_fused_graph_leaves_out_caps_the_fused_variants_con
         (export / SETTINGS_FILE).write_text(json.dumps({"max_position_embeddings": 4096, "eos_token_ids": [2]}))
         output = tmp_path / f"{name}-{recipe}"
         output.mkdir(exist_ok=True)
-        quantize.copy_model_files(export, output, quantize.RECIPES[recipe])
+        graph, _ = quantize.variant_graph(export, quantize.RECIPES[recipe])
+        quantize.copy_model_files(export, output, quantize.RECIPES[recipe], graph)
         return json.loads((output / SETTINGS_FILE).read_text())["max_position_embeddings"]
 
     phi3 = tf.Phi3Config(sliding_window=2047).to_dict()
     assert context_of("phi3", phi3, "fast") == context_of("phi3", phi3, "int4") == 2047
-    assert context_of("phi3", phi3, "fp16") == 4096
+    assert context_of("phi3", phi3, "fp16") == context_of("phi3", phi3, "fp32") == 4096
+    assert quantize.variant_graph(tmp_path / "phi3", quantize.RECIPES["fp32"])[0] == quantize.EXPORT
     assert context_of("mistral", tf.MistralConfig(sliding_window=1024).to_dict(), "fast") == 1024
     assert context_of("mistral-wide", tf.MistralConfig(sliding_window=8192).to_dict(), "fast") == 4096
     assert context_of("mistral-none", tf.MistralConfig(sliding_window=None).to_dict(), "fast") == 4096
@@ -67,3 +70,6 @@ def test_a_sliding_window_the_fused_graph_leaves_out_caps_the_fused_variants_con
     unused = {"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}
     assert context_of("qwen2", unused, "fast") == 4096
     assert context_of("llama", tf.LlamaConfig().to_dict(), "fast") == 4096
+    assert context_of("mistral-wide", tf.MistralConfig(sliding_window=8192).to_dict(), "fp32") == 4096
+    for fused in ("llama", "mistral-wide", "qwen2"):
+        assert quantize.variant_graph(tmp_path / fused, quantize.RECIPES["fp32"])[0] == quantize.FUSED

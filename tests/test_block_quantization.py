@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from scripts.prepare.block_quantization import block_sum_matrix, quantize
-from scripts.prepare.quantize import Recipe, quantize_on_grid, untie_lm_head
+from scripts.prepare.quantize import Recipe, quantize_on_grid
 
 K, N, BLOCK = 96, 40, 32
 
@@ -115,21 +115,6 @@ def test_block_sums_and_shared_sums_for_matmuls_reading_the_same_input(rng):
     stats = quantize_on_grid(model, Recipe("int4", bits=4), head=None)
     assert stats["matmuls_quantized"] == 2 and stats["max_residual_spread"] < 1e-6
     assert sum(n.name.endswith(".block_sums") for n in model.graph.node) == 1
-
-
-def test_a_tied_head_gets_its_own_transposed_weight(rng):
-    embedding = rng.standard_normal((N, K)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("Transpose", ["embedding"], ["embedding_t"], perm=[1, 0]),
-         helper.make_node("MatMul", ["x", "embedding_t"], ["y"], name="head")], "tied",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])],
-        [numpy_helper.from_array(embedding, "embedding")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert untie_lm_head(model) == "head"
-    head = next(n for n in model.graph.node if n.name == "head")
-    weight = next(i for i in model.graph.initializer if i.name == head.input[1])
-    assert np.array_equal(numpy_helper.to_array(weight), embedding.T)
 
 
 def test_unsupported_shapes_and_bits_are_refused():

@@ -45,8 +45,9 @@ def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
     if not config.enable_kv_cache_reuse:
         return None
     if cache.layout != "slots":
-        raise ValueError("enable_kv_cache_reuse needs a fused graph's slot KV cache (QUANT=int4 or fast); the "
-                         "export's own graph (fp32, fp16, the GPU runtimes) has no prefix caching")
+        raise ValueError("enable_kv_cache_reuse needs a fused graph's slot KV cache (every QUANT variant's folder); "
+                         "the export's own graph (build/model itself, the GPU runtimes, a model the fused graph "
+                         "cannot take) has no prefix caching")
     block = -(-16 // cache.align_tokens) * cache.align_tokens  # at least 16 tokens, whole pages
     return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block, cache.decoder.vocab_size)
 

@@ -87,9 +87,10 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
     if onnx_path.is_file() and is_fused_graph(onnx_path):
         if settings.runtime != "onnxruntime":
             raise RuntimeUnavailableError(
-                f"{onnx_path} is a fused graph (QUANT=fast: onnxruntime's GroupQueryAttention, its KV cache written "
-                f"in place); this project runs it on the CPU runtime only, not {settings.runtime!r}: serve the "
-                "standard export on a GPU (docs/gpu.md)")
+                f"{onnx_path} is a fused graph (a QUANT variant's folder: onnxruntime's GroupQueryAttention, its KV "
+                f"cache written in place); this project runs it on the CPU runtime only, not {settings.runtime!r}: "
+                "serve the export itself on a GPU (MODEL_DIR=build/model, which make gives a GPU RUNTIME; "
+                "docs/gpu.md)")
         from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
 
         return OnnxSlotDecoder(onnx_path, settings.intra_op_threads)

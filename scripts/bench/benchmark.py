@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=default_model_dir())
     parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES,
                         help="the server's llm runtime (the in-process baselines stay on onnxruntime's CPU provider)")
-    parser.add_argument("--variants", help="also the weight variants side by side, e.g. fp32,int4,int8 "
+    parser.add_argument("--variants", help="also the weight variants side by side, e.g. export,fp32,int4 "
                                            "(scripts/bench/variant_benchmark.py), each served from its own folder")
     parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR,
                         help="the fp32 export, beside which the variants' folders lie")

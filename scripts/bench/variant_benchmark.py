@@ -1,7 +1,7 @@
 """The quantized variants side by side through the real server, one run, the same workload for each.
 
-    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast,fp16     (make benchmark runs it too)
-    python -m scripts.bench.variant_benchmark --variants fp32,int4,fast --peers       (make benchmark-peers)
+    python -m scripts.bench.variant_benchmark --variants export,fp32,int4,fast,fp16  (make benchmark runs it too)
+    python -m scripts.bench.variant_benchmark --variants export,fp32,int4,fast --peers (make benchmark-peers)
 
 For each variant a tritonserver serves its folder (scripts/prepare/quantize.py; fp32 is the export itself), continuous
 strategy. Columns: output tok/s of the N requests sent one at a time (single stream); output tok/s, TTFT p50/p95 of
@@ -27,7 +27,7 @@ from scripts.bench import peers
 from scripts.bench.workload import median_run, server_row, through_server, workload
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR
-from scripts.prepare.quantize import QUANT_CHOICES, variant_dir
+from scripts.prepare.quantize import EXPORT_VARIANT, QUANT_CHOICES, variant_dir
 
 
 @dataclass
@@ -110,7 +110,7 @@ def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: in
 
 
 def table(rows: list[VariantRow], n: int) -> str:
-    base = next((r for r in rows if r.variant == "fp32"), rows[0])
+    base = next((r for r in rows if r.variant in (EXPORT_VARIANT, "fp32")), rows[0])  # export first when measured
     lines = [f"| variant | single-stream output tok/s | {n} concurrent output tok/s | TTFT p50 / p95 (s) | llm process "
              f"RSS (MiB) | KV bytes / token | model files (MB) | greedy identical over 64 tokens (mean tokens to "
              f"first difference) | greedy identical on this workload |",
@@ -144,7 +144,8 @@ def comparison_table(rows: list[VariantRow], peer_rows: list[dict], n: int) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="fp32,int4,fast,fp16")
+    parser.add_argument("--variants", default="export,fp32,int4,fast,fp16",
+                        help=f"{EXPORT_VARIANT} is the export itself (fp32 on its own graph, the padded cache)")
     parser.add_argument("--export-dir", type=Path, default=EXPORT_DIR)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -153,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                                                              "generator on the same workload (scripts/bench/peers.py)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    unknown = set(variants) - set(QUANT_CHOICES)
+    unknown = set(variants) - {EXPORT_VARIANT, *QUANT_CHOICES}
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {QUANT_CHOICES}")
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {(EXPORT_VARIANT, *QUANT_CHOICES)}")
     requests = workload(args.requests)
     rows = run(variants, args.export_dir, requests, args.repeats)
     print(table(rows, args.requests))

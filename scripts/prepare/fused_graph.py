@@ -1,11 +1,10 @@
-"""The fused decoder graph of an export, for ``QUANT=fast``: onnxruntime-genai's model builder, run on the Hugging
-Face folder the export writes (EXPORT_DIR/hf), in fp32 for the CPU.
+"""The fused decoder graph of an export, which every weight variant is built on: onnxruntime-genai's model builder,
+run on the Hugging Face folder the export writes (EXPORT_DIR/hf), in fp32 for the CPU.
 
 Its graph (342 nodes against the standard export's ~2,000): ``GroupQueryAttention`` with rotary embedding inside,
 which appends to a KV buffer in place (python_backend/runtime/onnx_slot_decoder.py);
 ``SkipSimplifiedLayerNormalization``; one packed QKV MatMul per layer. Its LM head is then given each row's last
-position only (``logits_of_last_positions``). scripts/prepare/quantize.py then puts the project's own 4-bit weights
-in it.
+position only (``logits_of_last_positions``). scripts/prepare/quantize.py then puts each variant's weights in it.
 The builder supports the architectures onnxruntime-genai lists (Llama, Mistral, Qwen, Phi, Gemma, ...); another
 model fails here with the builder's message.
 """
@@ -51,7 +50,8 @@ def refusal(hf_dir: Path, variant: str) -> str | None:
         return None
     return (f"{variant} is built on onnxruntime-genai's fused graph, whose sliding-window attention does not run on "
             f"the slot cache: {config.get('model_type')} has sliding-window layers (sliding_window "
-            f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (the export, exact) or fp16")
+            f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (exact) or fp16: for such a model they are "
+            "built on the export's own graph")
 
 
 def unwindowed_limit(hf_dir: Path) -> int | None:

@@ -1,12 +1,14 @@
-"""Quantized variants of an exported decoder, each in its own model folder with its own parity report.
+"""The weight variants of an exported decoder, each in its own model folder with its own parity report.
 
     python -m scripts.prepare.quantize --quant int4          # build/model -> build/model-int4
     make model QUANT=int4                            # the same, after the fp32 export
 
-Variants (weights only; activations and the KV cache stay fp32). int4 and fast are built on
-onnxruntime-genai's fused graph of the export's Hugging Face folder (scripts/prepare/fused_graph.py), whose attention
-writes the KV cache in place (python_backend/engine/kv_slots.py); fp16 on the export's own graph, as TensorRT and the
-GPU runtimes take it:
+Every variant is built on onnxruntime-genai's fused graph of the export's Hugging Face folder
+(scripts/prepare/fused_graph.py), whose attention writes the KV cache in place (python_backend/engine/kv_slots.py):
+one KV layout, with prefix caching and waiting batch rows, for every variant on the CPU. The export's own graph
+(build/model, its padded cache) stays the reference and what the GPU runtimes serve (docs/architecture.md).
+Weights only; activations and the KV cache stay fp32:
+- fp32: the fused graph with the export's weights as they are: exact.
 - int4: the layer matrices as 4-bit ``MatMulNBits`` (blocks of 32, asymmetric, fp32 compute: accuracy_level 1) on the
   grid the weights came from, plus a per-block residual that makes the product exact for GGUF Q4_1 weights
   (scripts/prepare/block_quantization.py); the LM head stays fp32.
@@ -14,7 +16,11 @@ GPU runtimes take it:
   activations), LM head included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured): the
   fastest, not exact. Chosen by measurement over int4 layers with an 8-bit head at accuracy_level 4 (docs/models.md);
   ``int8`` and ``int4-fast`` (the variants it replaced, on the export's graph) are its aliases.
-- fp16: onnxruntime's ``convert_float_to_float16`` (fp32 inputs and outputs kept); for GPUs. Measured here too.
+- fp16: every matrix stored in fp16 (half the file) and widened to fp32 when onnxruntime loads it (a Cast of an
+  initializer, folded at load): fp16's rounding of the weights, fp32's arithmetic and speed on the CPU.
+A model the fused graph cannot take (sliding-window layers: fused_graph.refusal) gets fp32 and fp16 on the export's
+own graph instead (its padded cache: no prefix caching), said in the build's log and the folder's settings; int4 and
+fast are refused.
 The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: docs/models.md,
 docs/performance.md.
 """
@@ -43,7 +49,7 @@ from scripts.prepare import block_quantization, fused_graph, gguf_grid, source_g
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 5  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 6  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
@@ -55,23 +61,25 @@ MIN_MAX_GRID = "4-bit on each block's min and max"
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    bits: int | None = None  # None: fp16
+    bits: int | None = None  # None: the matrices are not quantized (stored as `dtype`)
+    dtype: str = "fp32"  # the unquantized matrices' type: fp32, or fp16 (widened to fp32 at load)
     tool: str = "grid"  # "grid" (scripts/prepare/block_quantization.py) or "onnxruntime" (MatMulNBitsQuantizer)
     block_size: int = 32
     symmetric: bool = False
     accuracy_level: int = 1
     head_bits: int | None = None  # None: the LM head stays fp32
     residual: bool = True  # grid tool only
-    graph: str = "export"  # "export" (the fp32 export's graph) or "fused" (scripts/prepare/fused_graph.py)
 
 
 RECIPES = {
-    "int4": Recipe("int4", bits=4, graph="fused"),
-    "fast": Recipe("fast", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8, graph="fused"),
-    "fp16": Recipe("fp16"),
+    "fp32": Recipe("fp32"),
+    "int4": Recipe("int4", bits=4),
+    "fast": Recipe("fast", bits=8, tool="onnxruntime", accuracy_level=4, head_bits=8),
+    "fp16": Recipe("fp16", dtype="fp16"),
 }
-QUANT_CHOICES = ("fp32", *RECIPES)
-EXACT = ("int4",)  # called exact: a build whose parity fails is not kept (fast and fp16 only warn)
+QUANT_CHOICES = tuple(RECIPES)
+EXACT = ("fp32", "int4")  # a build whose parity fails is not kept (fast and fp16 only warn)
+FUSED, EXPORT = "fused", "export"  # the graph a variant is built on (its settings' "graph")
 ALIASES = {"int4-fast": "fast", "int8": "fast"}
 
 
@@ -79,26 +87,12 @@ def log(message: str) -> None:
     print(f"[quantize] {message}", file=sys.stderr, flush=True)
 
 
+EXPORT_VARIANT = "export"  # the benchmarks' and tests' name for the export itself: fp32 on its own graph, padded cache
+
+
 def variant_dir(base: Path, quant: str) -> Path:
-    """Where `make model QUANT=...` puts a variant of the export at ``base``: fp32 is the export itself."""
-    return base if quant == "fp32" else base.with_name(f"{base.name}-{quant}")
-
-
-def untie_lm_head(model: onnx.ModelProto) -> str | None:
-    """A tied LM head multiplies by Transpose(embedding), which quantizers skip (not a constant): give it its own
-    transposed initializer. Returns the head's MatMul node name (None if there is no such node)."""
-    graph = model.graph
-    initializers = {i.name: i for i in graph.initializer}
-    producers = {out: node for node in graph.node for out in node.output}
-    for node in graph.node:
-        source = producers.get(node.input[1]) if node.op_type == "MatMul" else None
-        if source is not None and source.op_type == "Transpose" and source.input[0] in initializers:
-            weight = numpy_helper.to_array(initializers[source.input[0]]).T
-            name = f"{source.input[0]}.transposed"
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight), name))
-            node.input[1] = name
-            return node.name
-    return None
+    """Where `make model QUANT=...` puts a variant of the export at ``base`` ("export": the export itself)."""
+    return base if quant == EXPORT_VARIANT else base.with_name(f"{base.name}-{quant}")
 
 
 def constant_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -214,37 +208,72 @@ def quantize_with_onnxruntime(model: onnx.ModelProto, recipe: Recipe, head: str 
     return quantizer.model.model
 
 
-def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+def fp16_matrices(model: onnx.ModelProto) -> int:
+    """Stores every fp32 matrix (an initializer of two or more dimensions) as fp16, read through a Cast to fp32 under
+    its old name: onnxruntime folds the Cast when it loads the graph, so the graph computes in fp32 (onnxruntime's CPU
+    provider has no fp16 MatMul) on fp16-rounded weights, and the in-place KV cache and every other tensor keep their
+    types. Returns the number of matrices."""
+    graph = model.graph
+    casts, kept = [], []
+    for initializer in graph.initializer:
+        if initializer.data_type != onnx.TensorProto.FLOAT or len(initializer.dims) < 2:
+            kept.append(initializer)
+            continue
+        name = initializer.name
+        half = numpy_helper.from_array(numpy_helper.to_array(initializer).astype(np.float16), f"{name}.fp16")
+        kept.append(half)
+        casts.append(helper.make_node("Cast", [half.name], [name], name=f"{name}.to_fp32", to=onnx.TensorProto.FLOAT))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return len(casts)
 
-    return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
 
-
-def build_variant(source: Path, output: Path, recipe: Recipe) -> dict:
-    """Writes output/onnx/model.onnx (+ data) from source's; returns the build statistics."""
-    stats: dict = {}
-    if recipe.graph == "fused":
+def build_variant(source: Path, output: Path, recipe: Recipe, graph: str = FUSED) -> dict:
+    """Writes output/onnx/model.onnx (+ data) from source's, on the fused graph or the export's; returns the build
+    statistics."""
+    stats: dict = {"graph": graph}
+    if graph == FUSED:
         weights = source_weights(source)
         log(f"{recipe.name}: onnxruntime-genai's fused graph of {weights}")
         model = fused_graph.build(weights)
         head = fused_graph.lm_head(model)
     else:
-        log(f"{recipe.name}: loading {source / ONNX_FILE}")
-        model = onnx.load(str(source / ONNX_FILE))
-        head = untie_lm_head(model) if recipe.bits is not None and recipe.head_bits is not None else None
+        log(f"{recipe.name}: the export's own graph, {source / ONNX_FILE}")
+        model, head = onnx.load(str(source / ONNX_FILE)), None
     if recipe.bits is None:
-        model = to_fp16(model)
+        if recipe.dtype == "fp16":
+            stats["matrices_fp16"] = fp16_matrices(model)
     else:
         if recipe.tool == "onnxruntime":
             model = quantize_with_onnxruntime(model, recipe, head)
         else:
-            stats = quantize_on_grid(model, recipe, head, source_file_grids(source))
+            stats.update(quantize_on_grid(model, recipe, head, source_file_grids(source)))
         _drop_unused_initializers(model)
     onnx_path = output / ONNX_FILE
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
     stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
     return stats
+
+
+def variant_graph(source: Path, recipe: Recipe) -> tuple[str, str]:
+    """The graph a variant is built on, and why. The fused graph, except for fp32 and fp16 of a model it would not
+    compute as the model does over its whole context (sliding-window layers, which it refuses; a window it leaves
+    out, which would cap the context at the window): those keep the model's answers and context on the export's own
+    graph, without prefix caching. (int4 and fast are refused or capped instead.)"""
+    weights = source_weights(source)
+    if recipe.bits is None:
+        if why := fused_graph.refusal(weights, recipe.name):
+            return EXPORT, f"the fused graph cannot take this model: {why}"
+        window = fused_graph.unwindowed_limit(weights)
+        context = json.loads((source / SETTINGS_FILE).read_text())["max_position_embeddings"]
+        if window is not None and window < context:
+            return EXPORT, (f"the fused graph leaves out the model's sliding window: it would cap the context at "
+                            f"{window} of {context} tokens")
+    return FUSED, "the fused graph: one KV layout, written in place, with prefix caching"
 
 
 def source_gguf(source: Path) -> Path | None:
@@ -276,8 +305,8 @@ def source_weights(source: Path) -> Path:
     return weights
 
 
-def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
-    """Tokenizer and settings from the fp32 export; settings say which variant this is."""
+def copy_model_files(source: Path, output: Path, recipe: Recipe, graph: str = FUSED) -> None:
+    """Tokenizer and settings from the fp32 export; settings say which variant this is, and on which graph."""
     own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, EXPORT_MARK, GREEDY_REFERENCE_FILE}
     for item in source.iterdir():
         if item.is_file() and item.name not in own_files:
@@ -285,7 +314,8 @@ def copy_model_files(source: Path, output: Path, recipe: Recipe) -> None:
     settings = json.loads((source / SETTINGS_FILE).read_text())
     settings["quantization"] = recipe.name
     settings["quantization_recipe"] = asdict(recipe)
-    window = fused_graph.unwindowed_limit(source_weights(source)) if recipe.graph == "fused" else None
+    settings["graph"] = graph
+    window = fused_graph.unwindowed_limit(source_weights(source)) if graph == FUSED else None
     if window is not None and window < settings["max_position_embeddings"]:
         # The engine caps prompt + max_tokens at this: no sequence outgrows the window the fused graph leaves out.
         log(f"{recipe.name}: contexts capped at the model's sliding window, {window} tokens (the fused graph attends "
@@ -324,9 +354,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant in ALIASES:
         log(f"{args.quant} is now called {ALIASES[args.quant]}")
         args.quant = ALIASES[args.quant]
-    if args.quant == "fp32":
-        log(f"fp32 is the export itself: {args.source}")
-        return 0
     if not (args.source / EXPORT_MARK).is_file():
         parser.error(f"{args.source} is not a complete export; run `make model` (scripts/prepare/export_onnx.py) first")
     recipe = RECIPES[args.quant]
@@ -335,20 +362,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and up_to_date(output, VARIANT_MARK, wanted):
         log(f"{output} is up to date; skipping (use --force to redo)")
         return 0
-    if recipe.name in EXACT and not args.keep_inexact:  # before minutes of work, not after its parity check
+    if recipe.bits == 4 and not args.keep_inexact:  # before minutes of work, not after its parity check
         settings = json.loads((args.source / SETTINGS_FILE).read_text())
         why = source_grid.refusal(source_weights(args.source), settings.get("source", ""), recipe.name,
                                   recipe.bits, recipe.block_size)
         if why:
             log(why)
             return 1
-    if recipe.graph == "fused" and (why := fused_graph.refusal(source_weights(args.source), recipe.name)):
+    if recipe.bits is not None and (why := fused_graph.refusal(source_weights(args.source), recipe.name)):
         log(why)
         return 1
+    graph, why = variant_graph(args.source, recipe)
+    if graph == EXPORT:
+        log(f"{recipe.name}: built on the export's own graph (its padded cache: no prefix caching), as {why}")
     start_fresh(output)
     started = time.monotonic()
-    stats = build_variant(args.source, output, recipe)
-    copy_model_files(args.source, output, recipe)
+    stats = build_variant(args.source, output, recipe, graph)
+    copy_model_files(args.source, output, recipe, graph)
     log(f"{recipe.name}: {stats['model_bytes'] / 1e6:.0f} MB in {time.monotonic() - started:.0f} s; checking parity")
 
     report = check_variant(args.source, output, recipe.name, stats)
@@ -358,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         g = report["greedy_agreement"]
         log(f"{recipe.name} is not exact for this model (max |Δ logits| {report['max_abs_logit_diff']:.3g}, greedy "
             f"identical on {g['identical']} of {g['prompts']} prompts; the report: {output / PARITY_REPORT_FILE}), "
-            f"so it was not kept. Serve QUANT=fp32 (the export) or QUANT=fast (not exact by design), or build it "
-            f"anyway with --keep-inexact")
+            f"so it was not kept. Serve {'QUANT=fp32 or ' if recipe.name != 'fp32' else ''}the export itself "
+            f"(MODEL_DIR={args.source}), or build it anyway with --keep-inexact")
         return 1
     if not report["passed"]:  # the thresholds are the default model's (make test); another model may differ
         log(f"WARNING: parity below the thresholds set for the default model: see {output / PARITY_REPORT_FILE}")
