@@ -1,4 +1,4 @@
-"""Prefix caching on the session's shared int4 server (enable_kv_cache_reuse switched off, then on, by reloads; the llm
+"""Prefix caching on the session's shared int4 server (and fp32's, for 32 requests at once) (enable_kv_cache_reuse switched off, then on, by reloads; the llm
 config is put back as this file found it): a prompt sent again is answered from its cached prefix with the same text
 (the hit counter says so); another cache_salt finds nothing; with the switch off nothing is looked up; 32 concurrent
 requests ran together, with the same answers either way. Counters are shared with other files: each claim is on a
@@ -82,27 +82,34 @@ def test_the_openai_front_passes_cache_salt(int4_server, model_dir, tmp_path):
         assert ask("tenant-a") == first and counters(int4_server)[1] > hits, "the same salt shares"
 
 
-def test_32_concurrent_requests_sharing_a_prefix_get_the_same_answers_with_reuse_on_and_off(int4_server):
+@pytest.mark.parametrize("variant", ["int4", "fp32"])
+def test_32_concurrent_requests_sharing_a_prefix_get_the_same_answers_with_reuse_on_and_off(variant, variant_server):
+    """On the default and on fp32 (every variant is on the slot cache): each variant's own shared server."""
+    with reconfigured_llm(ports := variant_server(variant)):
+        same_answers_with_reuse_on_and_off(ports)
+
+
+def same_answers_with_reuse_on_and_off(server):
     from concurrent.futures import ThreadPoolExecutor
 
-    client = GrpcStreamClient(f"127.0.0.1:{int4_server.grpc}")
+    client = GrpcStreamClient(f"127.0.0.1:{server.grpc}")
     questions = [f"Question {i}: is port number {i} open today?" for i in range(32)]
 
     def answers() -> list[str]:
         """The 32 answers, sent at once; asserts that decode steps ran more than 8 of them together."""
-        wait_idle(int4_server)
-        wide_before = decode_steps_above(int4_server, "continuous", 8)
+        wait_idle(server)
+        wide_before = decode_steps_above(server, "continuous", 8)
         with ThreadPoolExecutor(32) as pool:
             texts = [r.text for r in pool.map(client.complete, [request(q) for q in questions])]
-        wait_idle(int4_server)
-        assert decode_steps_above(int4_server, "continuous", 8) > wide_before, \
+        wait_idle(server)
+        assert decode_steps_above(server, "continuous", 8) > wide_before, \
             "decode steps ran more than 8 of the 32 at once"
         return texts
 
-    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="false")
+    reload_llm(f"127.0.0.1:{server.http}", enable_kv_cache_reuse="false")
     off = answers()
-    reload_llm(f"127.0.0.1:{int4_server.http}", enable_kv_cache_reuse="true")
+    reload_llm(f"127.0.0.1:{server.http}", enable_kv_cache_reuse="true")
     client.complete(request(questions[0]))  # the shared prefix in the cache
-    hits = counters(int4_server)[1]
+    hits = counters(server)[1]
     assert answers() == off
-    assert counters(int4_server)[1] - hits >= 31 * 64, "every request found the shared instruction's blocks"
+    assert counters(server)[1] - hits >= 31 * 64, "every request found the shared instruction's blocks"

@@ -15,6 +15,7 @@ from python_backend.engine.core import open_kv_cache
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.model_files import ONNX_FILE, SETTINGS_FILE
 from python_backend.runtime.factory import cpu_decoder
+from python_backend.runtime.onnx_slot_decoder import is_fused_graph
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.server_metrics import read_metrics
 from scripts.prepare.quantize import QUANT_CHOICES
@@ -91,6 +92,15 @@ def test_the_variants_current_logits_are_within_its_threshold(model_dir, variant
     decoder = cpu_decoder(variant_folder(model_dir, variant) / ONNX_FILE)
     max_diff = max_difference_from_reference(decoder, *logit_reference)
     assert max_diff <= THRESHOLDS[variant][0], f"{variant} now: max |Δ logits| {max_diff:.3g}; {THRESHOLDS[variant]}"
+
+
+@pytest.mark.parametrize("variant", QUANT_CHOICES)
+def test_every_variant_of_the_default_model_is_on_the_fused_graph_and_its_slot_cache(model_dir, variant):
+    """One KV layout on the CPU: no variant falls back to the export's padded graph for the default model (which the
+    fused graph takes whole)."""
+    folder = variant_folder(model_dir, variant)
+    assert json.loads((folder / SETTINGS_FILE).read_text())["graph"] == "fused"
+    assert is_fused_graph(folder / ONNX_FILE)
 
 
 def assert_greedy_agreement_now(model_dir, variant, greedy_prompts, greedy_reference):
