@@ -104,7 +104,8 @@ def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: in
     for variant in variants:
         model_dir = variant_dir(export_dir, variant)
         if not (model_dir / PARITY_REPORT_FILE).is_file():
-            raise SystemExit(f"no {variant} variant at {model_dir}: run `make model QUANT={variant}`")
+            raise SystemExit(f"no {variant} variant at {model_dir}: run `make model QUANT={variant}`"
+                             if variant != EXPORT_VARIANT else f"no export at {model_dir}: run `make model`")
         rows.append(measure(variant, model_dir, requests, repeats))
     return rows
 
@@ -129,7 +130,8 @@ def comparison_table(rows: list[VariantRow], peer_rows: list[dict], n: int) -> s
     lines = [f"| runner | one at a time: output tok/s | {n} at once: output tok/s | {n} at once: TTFT p50 (s) | "
              f"greedy identical to fp32 on this workload |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| this server, `QUANT={r.variant}` | {r.single_stream_tokens_per_s:.1f} | "
+        name = "the export itself (fp32, padded cache)" if r.variant == EXPORT_VARIANT else f"`QUANT={r.variant}`"
+        lines.append(f"| this server, {name} | {r.single_stream_tokens_per_s:.1f} | "
                      f"{r.concurrent_tokens_per_s:.1f} | {r.ttft_p50:.2f} | {r.workload_identical}/{r.requests} |")
     for p in peer_rows:
         if p["status"] != "measured":
