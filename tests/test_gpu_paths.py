@@ -120,6 +120,23 @@ def test_the_onnxruntime_cuda_runtime_matches_the_cpu(cpu_answers):
     assert sum(a == e for a, e in zip(answers, expected)) >= len(expected) - 1, (answers, expected)
 
 
+def test_the_onnxruntime_cuda_runtime_runs_a_variants_fused_graph_on_its_slot_cache(cpu_answers):
+    """A QUANT variant's folder (fp32 on the fused graph) on onnxruntime-cuda: GroupQueryAttention writing the slots
+    in CUDA tensors in place (OnnxSlotDeviceDecoder), against the CPU's fused graph."""
+    from python_backend.model_files import PARITY_REPORT_FILE
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+
+    model_dir, prompt_ids, _ = cpu_answers
+    fused = model_dir.with_name(f"{model_dir.name}-fp32")
+    if not (fused / PARITY_REPORT_FILE).is_file():
+        pytest.skip(f"no fp32 variant at {fused} (make model QUANT=fp32)")
+    expected = generate_staggered(OnnxSlotDecoder(fused / ONNX_FILE), prompt_ids)
+    decoder = _gpu_runtime("onnxruntime-cuda", "CUDAExecutionProvider", fused)
+    assert type(decoder).__name__ == "OnnxSlotDeviceDecoder"
+    answers = generate_staggered(decoder, prompt_ids)
+    assert sum(a == e for a, e in zip(answers, expected)) >= len(expected) - 1, (answers, expected)
+
+
 def test_the_onnxruntime_tensorrt_runtime_agrees_on_the_first_tokens(cpu_answers, tmp_path):
     model_dir, prompt_ids, expected = cpu_answers
     decoder = _gpu_runtime("onnxruntime-tensorrt", "TensorrtExecutionProvider", model_dir,

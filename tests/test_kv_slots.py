@@ -16,7 +16,7 @@ from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded
 from python_backend.errors import InvalidRequestError
 from python_backend.model_files import ONNX_FILE
-from python_backend.runtime.decoder import CacheShape
+from python_backend.runtime.decoder import CacheShape, HostTensors
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
 from tests.helpers import CountingDecoder, fail_choice_after, outputs_alone, variant_folder
@@ -162,6 +162,7 @@ def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(de
 
 class _ShapeOnly:
     kv_layout = "slots"
+    tensors = HostTensors()
     cache_shape = CacheShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype=np.dtype(np.float32))
 
 

@@ -1,8 +1,8 @@
-"""Prefix caching on the session's shared int4 server (and fp32's, for 32 requests at once) (enable_kv_cache_reuse switched off, then on, by reloads; the llm
+"""Prefix caching on the session's shared int4 server (enable_kv_cache_reuse switched off, then on, by reloads; the llm
 config is put back as this file found it): a prompt sent again is answered from its cached prefix with the same text
 (the hit counter says so); another cache_salt finds nothing; with the switch off nothing is looked up; 32 concurrent
-requests ran together, with the same answers either way. Counters are shared with other files: each claim is on a
-delta."""
+requests ran together, with the same answers either way, on int4's server and on fp32's. Counters are shared with
+other files: each claim is on a delta."""
 
 from __future__ import annotations
 

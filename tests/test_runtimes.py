@@ -1,5 +1,6 @@
 """The llm model's runtimes without a server: the device code path (torch tensors through onnxruntime's IO binding)
-is token-exact with the host path on the real export, and a runtime that cannot run here says what is missing."""
+is token-exact with the host path on the real export and on the fused graph's slot cache (prefix caching on), and a
+runtime that cannot run here says what is missing."""
 
 from __future__ import annotations
 
@@ -11,18 +12,19 @@ import torch
 from python_backend.engine.kv_batch import KVBatch
 from python_backend.engine.batch_sampling import choose_next
 from python_backend.engine.sampling import SamplingParams
+from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE
 from python_backend.runtime import onnx_providers
 from python_backend.runtime.decoder import RuntimeUnavailableError, ServingLimits
-from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, decoder_limits,
+from python_backend.runtime.factory import (GPU_RUNTIMES, RuntimeSettings, cpu_decoder, decoder_limits,
                                             open_decoder)
 from python_backend.runtime.onnx_decoder import file_cache_shape
 from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 from python_backend.runtime.trt_profiles import optimization_profiles
 from scripts.paths import PROJECT_ROOT
 from scripts.prepare.quantize import variant_dir
-from tests.helpers import generate_staggered
+from tests.helpers import generate_staggered, variant_folder
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍一下长城。",
            "List three colors.", "def add(a, b):", "Count from one to ten."]
@@ -80,13 +82,51 @@ def test_the_factory_opens_the_cpu_runtimes(model_dir):
     assert type(plain).__name__ == "OnnxDecoder" and type(bound).__name__ == "OnnxDeviceDecoder"
 
 
-def test_a_fused_folder_opens_the_slot_decoder_on_the_cpu_and_fails_clearly_on_a_gpu_runtime(model_dir):
+def test_a_fused_folder_opens_a_slot_decoder_on_each_path_and_tensorrt_refuses_it(model_dir):
     fused = variant_dir(model_dir, "fast")
-    decoder = open_decoder(RuntimeSettings(io_binding=True), fused, LIMITS, PROJECT_ROOT)
-    assert type(decoder).__name__ == "OnnxSlotDecoder" and decoder.kv_layout == "slots"
-    for runtime in GPU_RUNTIMES:
-        with pytest.raises(RuntimeUnavailableError, match=rf"fused graph .* not '{runtime}'"):
+    host = open_decoder(RuntimeSettings(), fused, LIMITS, PROJECT_ROOT)
+    bound = open_decoder(RuntimeSettings(io_binding=True), fused, LIMITS, PROJECT_ROOT)
+    assert (type(host).__name__, type(bound).__name__) == ("OnnxSlotDecoder", "OnnxSlotDeviceDecoder")
+    assert host.kv_layout == bound.kv_layout == "slots"
+    for runtime in ("tensorrt", "onnxruntime-tensorrt"):
+        with pytest.raises(RuntimeUnavailableError, match=rf"fused graph .*TensorRT does not parse.*'{runtime}' serves "
+                                                          "the export itself"):
             open_decoder(RuntimeSettings(runtime=runtime), fused, LIMITS, PROJECT_ROOT)
+    if not torch.cuda.is_available():  # onnxruntime-cuda takes the fused graph: here it lacks only the GPU
+        with pytest.raises(RuntimeUnavailableError, match=r"runtime 'onnxruntime-cuda' .*torch sees no CUDA device"):
+            open_decoder(RuntimeSettings(runtime="onnxruntime-cuda"), fused, LIMITS, PROJECT_ROOT)
+
+
+def test_the_slot_cache_on_the_device_path_gives_the_host_paths_tokens_with_prefix_caching(model_dir, prompts):
+    """The fused graph through IO binding with its slots (and the prefix cache's blocks) in torch tensors, as
+    onnxruntime-cuda runs it, here on CPU tensors: two rounds of prompts behind one shared prefix (the second round
+    served from the cache), rows of different lengths leaving and joining; every token the host path's."""
+    from python_backend.engine.core import EngineCore
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDeviceDecoder
+
+    path = variant_folder(model_dir, "fp32") / ONNX_FILE
+    shared = [token for p in prompts for token in p][:96]
+    config = SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length=512, kv_budget_tokens=65536,
+                             enable_kv_cache_reuse=True)
+
+    def two_rounds(decoder):
+        core = EngineCore(decoder, config)
+        answers = []
+        for _ in range(2):
+            batch = [Sequence(prompt_ids=shared + p, params=SamplingParams(max_tokens=6 + 3 * i, end_ids=()))
+                     for i, p in enumerate(prompts)]
+            for seq in batch:
+                core.add(seq)
+            while core.step().progressed:
+                pass
+            answers.append([seq.output_ids for seq in batch])
+        return answers, core
+
+    host, host_core = two_rounds(cpu_decoder(path))
+    device, device_core = two_rounds(OnnxSlotDeviceDecoder.on_cpu(path))
+    assert device == host and all(host[0]) and host[0] == host[1]
+    assert device_core.prefix.hit_tokens == host_core.prefix.hit_tokens >= len(prompts) * 96
+    assert all(isinstance(buffer, torch.Tensor) for buffer in device_core.cache._buffers)
 
 
 @pytest.mark.parametrize("runtime", GPU_RUNTIMES)

@@ -49,7 +49,8 @@ def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
                          "the export's own graph (build/model itself, the GPU runtimes, a model the fused graph "
                          "cannot take) has no prefix caching")
     block = -(-16 // cache.align_tokens) * cache.align_tokens  # at least 16 tokens, whole pages
-    return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block, cache.decoder.vocab_size)
+    return PrefixCache(cache.decoder.cache_shape, config.kv_budget_tokens, block, cache.decoder.vocab_size,
+                       cache.tensors)
 
 
 def _scores_top(seq: Sequence) -> int | None:

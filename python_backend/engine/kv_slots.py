@@ -7,7 +7,9 @@ that row's own length (no padding, no copy); when rows leave, the last rows move
 moved row's tokens, made only when membership changes) and the freed slots' memory goes back to the system.
 
 Memory: each layer's key and value buffer is reserved up front for ``slots x max_len`` tokens, but as anonymous
-memory that the system backs only where it is written (and that ``release`` gives back). What is resident is the
+memory that the system backs only where it is written (and that ``release`` gives back). A decoder whose cache is in
+torch tensors (the device path, onnx_slot_decoder.OnnxSlotDeviceDecoder) gets torch buffers on its device instead,
+allocated whole. What is resident is the
 rows' tokens, each row at most its reservation (prompt + max_tokens): that sum is what the scheduler's admission
 bounds by the KV budget, and no step holds a second copy of the cache (``kv_peak_factor`` 1, against the padded
 cache's 2).
@@ -38,9 +40,14 @@ class SlotKVCache:
         self.bytes_per_token = shape.bytes_per_token()
         slot_shape = (slots, shape.num_kv_heads, self.max_len, shape.head_dim)
         nbytes = int(np.prod(slot_shape)) * np.dtype(shape.dtype).itemsize
-        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a shared mapping would keep released pages)
-        self._maps = [mmap.mmap(-1, nbytes, flags=private) for _ in shape.cache_names()]
-        self._buffers = [np.frombuffer(m, shape.dtype).reshape(slot_shape) for m in self._maps]
+        self.tensors = decoder.tensors
+        if self.tensors.host:
+            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a shared mapping would keep released pages)
+            self._maps = [mmap.mmap(-1, nbytes, flags=private) for _ in shape.cache_names()]
+            self._buffers = [np.frombuffer(m, shape.dtype).reshape(slot_shape) for m in self._maps]
+        else:  # torch tensors on the decoder's device, allocated whole (nothing to give back per slot)
+            self._maps = []
+            self._buffers = [self.tensors.zeros(slot_shape, shape.dtype) for _ in shape.cache_names()]
         self._slot_bytes = nbytes // slots
         self.lengths = np.zeros(0, np.int64)  # tokens held by each row
         self.reserved = np.zeros(0, np.int64)  # most tokens each row may hold (prompt + max_tokens)
@@ -160,7 +167,7 @@ class SlotKVCache:
         """Rows a and b trade slots (their tokens are copied), so that the rows a step decodes come first."""
         used = int(max(self.lengths[a], self.lengths[b]))
         for buffer in self._buffers:
-            held = buffer[a, :, :used].copy()
+            held = self.tensors.clone(buffer[a, :, :used])
             buffer[a, :, :used] = buffer[b, :, :used]
             buffer[b, :, :used] = held
         for array in (self.lengths, self.reserved):

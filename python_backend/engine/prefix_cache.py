@@ -68,7 +68,9 @@ class PrefixHit:
 
 
 class PrefixCache:
-    def __init__(self, cache_shape, capacity_tokens: int, block_tokens: int, vocab_size: int = 0):
+    def __init__(self, cache_shape, capacity_tokens: int, block_tokens: int, vocab_size: int = 0, tensors=None):
+        """tensors: the slot cache's (python_backend/runtime/decoder.py); blocks are kept where its rows are, in
+        anonymous host memory given back on eviction, or (the device path) in torch tensors on its device."""
         self.block_tokens = block_tokens
         self.capacity = max(0, capacity_tokens // block_tokens)
         shape = (max(self.capacity, 1), cache_shape.num_kv_heads, block_tokens, cache_shape.head_dim)
@@ -76,9 +78,14 @@ class PrefixCache:
         self._logits_bytes = vocab_size * np.dtype(np.float32).itemsize
         # Whole prompts are kept only with the vocabulary's size known; their logits count as this many tokens.
         self.logits_tokens = -(-self._logits_bytes // cache_shape.bytes_per_token()) if vocab_size else 0
-        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self._maps = [mmap.mmap(-1, self._block_bytes * shape[0], flags=private) for _ in cache_shape.cache_names()]
-        self._pool = [np.frombuffer(m, cache_shape.dtype).reshape(shape) for m in self._maps]
+        if tensors is None or tensors.host:
+            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._maps = [mmap.mmap(-1, self._block_bytes * shape[0], flags=private)
+                          for _ in cache_shape.cache_names()]
+            self._pool = [np.frombuffer(m, cache_shape.dtype).reshape(shape) for m in self._maps]
+        else:
+            self._maps = []
+            self._pool = [tensors.zeros(shape, cache_shape.dtype) for _ in cache_shape.cache_names()]
         self._blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))
         self.cached_tokens = 0  # tokens of the budget the entries hold
@@ -88,7 +95,7 @@ class PrefixCache:
         self.evicted_blocks = 0
 
     def cached_bytes(self) -> int:
-        return self._pages * self._block_bytes * len(self._maps) + self._wholes * self._logits_bytes
+        return self._pages * self._block_bytes * len(self._pool) + self._wholes * self._logits_bytes
 
     def _root(self, salt: str) -> int:
         return hash(("prefix", salt))

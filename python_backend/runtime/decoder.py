@@ -56,12 +56,16 @@ class HostTensors:
     """The cache as numpy arrays in host memory (the CPU path with onnxruntime's plain ``run``)."""
 
     device = "cpu"
+    host = True
 
     def zeros(self, shape, dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
 
     def rows(self, index: np.ndarray) -> np.ndarray:
         return index
+
+    def clone(self, array: np.ndarray) -> np.ndarray:
+        return array.copy()
 
 
 class TorchTensors:
@@ -79,8 +83,13 @@ class TorchTensors:
             dtype = torch_dtype(dtype)
         return self.torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
+    host = False
+
     def rows(self, index: np.ndarray):
         return self.torch.as_tensor(index, dtype=self.torch.int64, device=self.device)
+
+    def clone(self, tensor):
+        return tensor.clone()
 
     def upload(self, array: np.ndarray):
         """A host array as a contiguous tensor on this device."""

@@ -85,15 +85,7 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
     from python_backend.runtime.onnx_slot_decoder import is_fused_graph
 
     if onnx_path.is_file() and is_fused_graph(onnx_path):
-        if settings.runtime != "onnxruntime":
-            raise RuntimeUnavailableError(
-                f"{onnx_path} is a fused graph (a QUANT variant's folder: onnxruntime's GroupQueryAttention, its KV "
-                f"cache written in place); this project runs it on the CPU runtime only, not {settings.runtime!r}: "
-                "serve the export itself on a GPU (MODEL_DIR=build/model, which make gives a GPU RUNTIME; "
-                "docs/gpu.md)")
-        from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
-
-        return OnnxSlotDecoder(onnx_path, settings.intra_op_threads)
+        return _fused(settings, onnx_path, limits, project_root)
     if settings.runtime == "onnxruntime":
         from python_backend.runtime.onnx_decoder import OnnxDecoder
         from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
@@ -108,6 +100,25 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
         engine = Path(settings.engine_path) if settings.engine_path else model_dir / ENGINE_FILE
         return TensorRTDecoder(_under(project_root, engine), limits, settings.device_id, onnx_path=onnx_path)
     return _onnxruntime_on_gpu(settings, onnx_path, tensors, limits, project_root)
+
+
+def _fused(settings: RuntimeSettings, onnx_path: Path, limits: ServingLimits, project_root: Path):
+    """A fused graph (a QUANT variant's folder: GroupQueryAttention writing its slot cache in place): on the CPU, or
+    through IO binding with the cache in torch tensors (io_binding on the CPU; onnxruntime-cuda on a GPU). TensorRT
+    parses neither GroupQueryAttention nor MatMulNBits, so the TensorRT runtimes serve the export itself."""
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder, OnnxSlotDeviceDecoder
+
+    if settings.runtime in ("tensorrt", "onnxruntime-tensorrt"):
+        raise RuntimeUnavailableError(
+            f"{onnx_path} is a fused graph (a QUANT variant's folder: onnxruntime's GroupQueryAttention and "
+            f"MatMulNBits, which TensorRT does not parse); {settings.runtime!r} serves the export itself: "
+            "MODEL_DIR=build/model, which make gives a TensorRT RUNTIME (docs/gpu.md)")
+    if settings.runtime == "onnxruntime":
+        if settings.io_binding:
+            return OnnxSlotDeviceDecoder.on_cpu(onnx_path, settings.intra_op_threads)
+        return OnnxSlotDecoder(onnx_path, settings.intra_op_threads)
+    tensors = cuda_tensors(settings.runtime, settings.device_id)  # onnxruntime-cuda
+    return OnnxSlotDeviceDecoder(_gpu_session(settings, onnx_path, tensors, limits, project_root), tensors)
 
 
 def cpu_decoder(onnx_path: Path, intra_op_threads: int = 0):
@@ -137,11 +148,17 @@ def cuda_tensors(runtime: str, device_id: int) -> TorchTensors:
 
 
 def _onnxruntime_on_gpu(settings, onnx_path: Path, tensors: TorchTensors, limits: ServingLimits, project_root):
+    from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
+
+    return OnnxDeviceDecoder(_gpu_session(settings, onnx_path, tensors, limits, project_root), tensors)
+
+
+def _gpu_session(settings, onnx_path: Path, tensors: TorchTensors, limits: ServingLimits, project_root):
+    """An onnxruntime session on the settings' GPU provider, on torch's current CUDA stream."""
     import onnxruntime as ort
 
     from python_backend.runtime import onnx_providers
     from python_backend.runtime.onnx_decoder import session_options
-    from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
 
     onnx_providers.require_available(settings.runtime, ort.get_available_providers())
     stream = tensors.torch.cuda.current_stream(tensors.device).cuda_stream
@@ -154,7 +171,7 @@ def _onnxruntime_on_gpu(settings, onnx_path: Path, tensors: TorchTensors, limits
     providers = onnx_providers.providers(settings.runtime, settings.device_id, stream, trt)
     session = ort.InferenceSession(str(onnx_path), session_options(settings.intra_op_threads), providers=providers)
     onnx_providers.require_running(settings.runtime, session.get_providers())
-    return OnnxDeviceDecoder(session, tensors)
+    return session
 
 
 def decoder_limits(onnx_path: Path, limits: ServingLimits) -> DecoderLimits:

@@ -23,7 +23,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 
-from python_backend.runtime.decoder import CacheShape, HostTensors
+from python_backend.runtime.decoder import CacheShape, HostTensors, TorchTensors
 from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
 
 FUSED_ATTENTION_OP = "GroupQueryAttention"
@@ -94,3 +94,56 @@ class OnnxSlotDecoder:
             binding.bind_ortvalue_output(present, value)
         self._bound = (key, binding, cache)  # the arrays stay referenced while bound
         return binding
+
+
+class OnnxSlotDeviceDecoder(OnnxSlotDecoder):
+    """The fused graph with its slot cache in torch tensors on one device, bound by address through IO binding: the
+    past and the present of each layer are the same tensor, as on the host. Token ids and the mask cross to the
+    device at each call; the logits come back through DLPack and cross to the host. With CPU tensors and the CPU
+    provider this is the same code a GPU runs (onnxruntime's CUDA provider has GroupQueryAttention with a shared
+    past/present buffer, which is how onnxruntime-genai runs it), which is how the CPU tests cover it."""
+
+    def __init__(self, session: ort.InferenceSession, tensors: TorchTensors):
+        super().__init__(None, session=session)
+        self.tensors = tensors
+        self._device_type = tensors.device.type
+        self._device_id = tensors.device.index or 0
+        self._cache_dtype = np.dtype(self.cache_shape.dtype)
+
+    @classmethod
+    def on_cpu(cls, model_path: str | os.PathLike, intra_op_threads: int = 0) -> "OnnxSlotDeviceDecoder":
+        return cls(cpu_session(model_path, intra_op_threads), TorchTensors("cpu"))
+
+    def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list,
+                         all_positions: bool = False) -> np.ndarray:
+        if all_positions and not self.scores_prompts:
+            raise ValueError("this fused graph computes each row's last logits only: build the variant again "
+                             "(make model QUANT=...) to score prompts")
+        binding = self._cache_binding(cache)
+        small = [("input_ids", input_ids), ("attention_mask", attention_mask)]
+        if self.has_position_switch:
+            small.append((ALL_POSITIONS_INPUT, np.array([int(all_positions)])))
+        uploaded = [(name, self.tensors.upload(np.asarray(array, np.int64))) for name, array in small]
+        for name, tensor in uploaded:  # (referenced until the run ends)
+            self._bind(binding.bind_input, name, tensor, np.int64)
+        binding.bind_output("logits", self._device_type, self._device_id)
+        binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        logits = self.tensors.torch.from_dlpack(binding.get_outputs()[-1])
+        return logits.float().cpu().numpy()
+
+    def _cache_binding(self, cache: list) -> ort.IOBinding:
+        key = tuple((tensor.data_ptr(), tuple(tensor.shape)) for tensor in cache)
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[1]
+        binding = self.session.io_binding()
+        for past, present, tensor in zip(self._past_names, self._present_names, cache):
+            self._bind(binding.bind_input, past, tensor, self._cache_dtype)
+            self._bind(binding.bind_output, present, tensor, self._cache_dtype)
+        self._bound = (key, binding, cache)
+        return binding
+
+    def _bind(self, bind, name: str, tensor, dtype) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous to be bound by address")
+        bind(name, self._device_type, self._device_id, dtype, list(tensor.shape), tensor.data_ptr())
