@@ -1,0 +1,158 @@
+"""LoRA adapters' first steps (issue 35; not served yet): PEFT folders read and checked against the base model, and the
+fused graph's per-row adapter inputs (scripts/prepare/lora_graph.py, python_backend/runtime/lora.py) on a small graph
+named as onnxruntime-genai's builder names its projections, run by onnxruntime: rows with different adapters and rows
+without one in the same call, each equal to PEFT's arithmetic on its own adapter."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from python_backend.runtime.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
+from scripts.prepare.lora_graph import add_adapter_inputs
+
+CONFIG = {"hidden_size": 8, "num_attention_heads": 2, "head_dim": 4, "num_key_value_heads": 1,
+          "intermediate_size": 12, "num_hidden_layers": 2}
+BASE = BaseShapes.from_config(CONFIG)
+ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+MIX = (np.arange(1, 17, dtype=np.float32) / 16)[:, None] * np.ones((1, 8), np.float32)  # packed QKV -> hidden
+
+
+def base_weights(rng) -> dict[tuple[int, str], np.ndarray]:
+    """Scaled so that values stay near 1 through both layers (a delta misplaced must not drown in their size)."""
+    return {(layer, module): (rng.standard_normal(BASE.modules[module]) / np.sqrt(BASE.modules[module][0]))
+            .astype(np.float32) for layer in range(2) for module in (*ATTN, *MLP)}
+
+
+def graph(weights) -> onnx.ModelProto:
+    """Two layers of the fused graph's projections (packed QKV), chained as x -> q -> o -> gate * up -> down."""
+    nodes, initializers, x = [], [], "x"
+    for layer in range(2):
+        def product(kind, inputs, weight, part):
+            name = f"/model/layers.{layer}/{part}/{kind}/MatMul"
+            initializers.append(numpy_helper.from_array(weight, f"w.{layer}.{kind}"))
+            nodes.append(helper.make_node("MatMul", [inputs, f"w.{layer}.{kind}"], [f"{name}/output_0"], name=name))
+            return f"{name}/output_0"
+
+        qkv = product("qkv_proj", x, np.concatenate([weights[(layer, m)] for m in ATTN[:3]], axis=1), "attn")
+        initializers += [numpy_helper.from_array(np.array(v, np.int64), f"s.{layer}.{i}")
+                         for i, v in enumerate(([0], [8], [2]))]
+        nodes.append(helper.make_node("Slice", [qkv, f"s.{layer}.0", f"s.{layer}.1", f"s.{layer}.2"], [f"q.{layer}"]))
+        o = product("o_proj", f"q.{layer}", weights[(layer, "o_proj")], "attn")
+        gate = product("gate_proj", o, weights[(layer, "gate_proj")], "mlp")
+        up = product("up_proj", o, weights[(layer, "up_proj")], "mlp")
+        nodes.append(helper.make_node("Mul", [gate, up], [f"m.{layer}"]))
+        down = product("down_proj", f"m.{layer}", weights[(layer, "down_proj")], "mlp")
+        # every column of the packed QKV feeds the next layer, each with its own weight: k's and v's deltas are seen
+        # in their own places
+        nodes.append(helper.make_node("MatMul", [qkv, f"mix.{layer}"], [f"kv.{layer}"], name=f"mix.{layer}"))
+        initializers.append(numpy_helper.from_array(MIX, f"mix.{layer}"))
+        nodes.append(helper.make_node("Add", [down, f"kv.{layer}"], [f"h.{layer}"]))
+        x = f"h.{layer}"
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    made = helper.make_graph(nodes, "projections", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                  ["batch_size", "new", 8])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch_size", "new", 8])],
+                             initializers)
+    return helper.make_model(made, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def reference(weights, x, adapter: dict | None) -> np.ndarray:
+    """The same chain in numpy, each targeted module's delta as PEFT computes it: (x A^T) B^T * scaling."""
+    def project(layer, module, inputs):
+        y = inputs @ weights[(layer, module)]
+        if adapter and (layer, module) in adapter["pairs"]:
+            a, b = adapter["pairs"][(layer, module)]
+            y = y + (inputs @ a.T) @ b.T * adapter["scaling"]
+        return y
+
+    for layer in range(2):
+        q, k, v = (project(layer, m, x) for m in ATTN[:3])
+        o = project(layer, "o_proj", q)
+        down = project(layer, "down_proj", project(layer, "gate_proj", o) * project(layer, "up_proj", o))
+        x = down + np.concatenate([q, k, v], axis=-1) @ MIX
+    return x
+
+
+def write_peft(folder, rng, rank, modules, layers=(0, 1), alpha=16, **config) -> dict:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    pairs, tensors = {}, {}
+    for layer in layers:
+        for module in modules:
+            features_in, features_out = BASE.modules[module]
+            a = rng.standard_normal((rank, features_in)).astype(np.float32)
+            b = rng.standard_normal((features_out, rank)).astype(np.float32)
+            prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if module in ATTN else 'mlp'}.{module}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            pairs[(layer, module)] = (a, b)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                            "target_modules": list(modules), **config}))
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return {"pairs": pairs, "scaling": scaling}
+
+
+@pytest.fixture()
+def rng():
+    return np.random.default_rng(7)
+
+
+def test_rows_with_different_adapters_and_none_get_each_their_own_adapters_output(tmp_path, rng):
+    weights = base_weights(rng)
+    model = graph(weights)
+    targets = {(t.layer, t.kind): (t.in_features, t.out_features) for t in add_adapter_inputs(model)}
+    assert len(targets) == 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    plain = ort.InferenceSession(graph(weights).SerializeToString(), providers=["CPUExecutionProvider"])
+    # q and v (PEFT's default for Llama) plus o and down; and every projection, rsLoRA, on layer 1 only
+    x_spec = write_peft(tmp_path / "x", rng, 2, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    y_spec = write_peft(tmp_path / "y", rng, 3, (*ATTN, *MLP), layers=(1,), use_rslora=True)
+    adapters = {"x": read_peft(tmp_path / "x", "x", BASE), "y": read_peft(tmp_path / "y", "y", BASE)}
+    assert adapters["x"].widths == {"qkv_proj": 4, "o_proj": 2, "down_proj": 2}
+    inputs = AdapterInputs(targets)
+    x = rng.standard_normal((4, 3, 8)).astype(np.float32)
+    rows = [adapters["x"], None, adapters["y"], adapters["x"]]
+    out = session.run(["y"], {"x": x, **inputs.for_rows(rows)})[0]
+    specs = [x_spec, None, y_spec, x_spec]
+    for row, spec in enumerate(specs):
+        np.testing.assert_allclose(out[row], reference(weights, x[row], spec), rtol=1e-4, atol=1e-4)
+    expected_base = plain.run(["y"], {"x": x})[0]
+    assert np.array_equal(out[1], expected_base[1]), "a row without an adapter gets the base model's bits"
+    assert not np.allclose(out[0], expected_base[0]) and not np.allclose(out[2], expected_base[2])
+    # no adapter in the step: every width 0, the base model's output bit for bit
+    none = session.run(["y"], {"x": x, **inputs.for_rows([None] * 4)})[0]
+    assert np.array_equal(none, expected_base)
+
+
+def test_a_folder_that_does_not_fit_the_base_is_refused_naming_what(tmp_path, rng):
+    write_peft(tmp_path / "ok", rng, 2, ("q_proj",))
+    read_peft(tmp_path / "ok", "ok", BASE)
+    cases = {
+        "wide": (dict(rank=2, modules=("q_proj",)), {"hidden_size": 16}, r"layer 0 q_proj.lora_A is \[2, 8\]; this "
+                                                                         r"base model needs \[2, 16\]"),
+        "deep": (dict(rank=2, modules=("o_proj",), layers=(5,)), {}, "names layer 5; the base model has 2"),
+        "dora": (dict(rank=2, modules=("q_proj",), use_dora=True), {}, "DoRA is not supported"),
+        "big": (dict(rank=80, modules=("q_proj",)), {}, "rank 80 is beyond max_lora_rank 64"),
+    }
+    for name, (peft, config, message) in cases.items():
+        write_peft(tmp_path / name, rng, **peft)
+        with pytest.raises(AdapterError, match=message):
+            read_peft(tmp_path / name, name, BaseShapes.from_config({**CONFIG, **config}))
+    from safetensors.numpy import save_file
+
+    (tmp_path / "head").mkdir()
+    save_file({"base_model.model.lm_head.lora_A.weight": np.zeros((2, 8), np.float32)},
+              str(tmp_path / "head" / "adapter_model.safetensors"))
+    (tmp_path / "head" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+    with pytest.raises(AdapterError, match="lm_head.lora_A.weight is not a LoRA matrix of a projection"):
+        read_peft(tmp_path / "head", "head", BASE)
+    with pytest.raises(AdapterError, match="has no adapter_config.json"):
+        read_peft(tmp_path / "nowhere", "nowhere", BASE)
