@@ -66,13 +66,17 @@ class OnnxSlotDecoder:
         return not self.gathers_last
 
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                         cache: list[np.ndarray], all_positions: bool = False) -> np.ndarray:
+                         cache: list[np.ndarray], all_positions: bool = False,
+                         extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """extra: more of the graph's inputs by name (a LoRA graph's adapter inputs: python_backend/runtime/lora.py)."""
         if all_positions and not self.scores_prompts:
             raise ValueError("this fused graph computes each row's last logits only: build the variant again "
                              "(make model QUANT=...) to score prompts")
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        for name, array in (extra or {}).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
         if self.has_position_switch:
             binding.bind_cpu_input(ALL_POSITIONS_INPUT, np.array([int(all_positions)], np.int64))
         binding.bind_output("logits")
