@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = [("the graph as built", plain, None),
                 ("adapter inputs, no adapter in the step", with_lora, inputs.for_rows([None] * args.rows)),
                 (f"{args.adapters} adapters of rank {args.rank} on every projection, "
-                 f"{sum(a is None for a in spread)} of {args.rows} rows without one", with_lora, inputs.for_rows(spread))]
+                 f"{sum(a is None for a in spread)} of {args.rows} rows without one", with_lora,
+                 inputs.for_rows(spread))]
         results = [(name, *timed_steps(decoder, args.rows, args.prompt, args.steps, extra))
                    for name, decoder, extra in runs]
     base_prefill, base_step = results[0][1], results[0][2]
-    print(f"| {args.model_dir.name}, {args.rows} rows | prefill of {args.prompt} tokens a row (ms) | decode step, median "
-          f"of {args.steps} (ms) |")
+    print(f"| {args.model_dir.name}, {args.rows} rows | prefill of {args.prompt} tokens a row (ms) "
+          f"| decode step, median of {args.steps} (ms) |")
     print("| --- | --- | --- |")
     for name, prefill, step in results:
         print(f"| {name} | {prefill:.0f} (x{prefill / base_prefill:.2f}) | {step:.1f} (x{step / base_step:.2f}) |")

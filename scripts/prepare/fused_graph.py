@@ -50,8 +50,8 @@ def refusal(hf_dir: Path, variant: str) -> str | None:
         return None
     return (f"{variant} is built on onnxruntime-genai's fused graph, whose sliding-window attention does not run on "
             f"the slot cache: {config.get('model_type')} has sliding-window layers (sliding_window "
-            f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (exact) or fp16: for such a model they are "
-            "built on the export's own graph")
+            f"{config.get('sliding_window')}). Nothing was built. Serve QUANT=fp32 (exact) or fp16: for such a model "
+            "they are built on the export's own graph")
 
 
 def unwindowed_limit(hf_dir: Path) -> int | None:

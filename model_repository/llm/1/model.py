@@ -57,7 +57,8 @@ class TritonPythonModel:
                                                  getattr(decoder, "kv_layout", "padded"), max_context_length)
         if params.get("enable_kv_cache_reuse", "").strip().lower() == "true" and not config.enable_kv_cache_reuse:
             print(f"[llm] enable_kv_cache_reuse: no prefix caching on {model_dir}, the export's graph (its KV cache "
-                  "is a padded batch); every QUANT variant's folder (the fused graph) has it", file=sys.stderr, flush=True)
+                  "is a padded batch); every QUANT variant's folder (the fused graph) has it", file=sys.stderr,
+                  flush=True)
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})
         observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
