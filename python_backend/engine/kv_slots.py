@@ -25,6 +25,18 @@ import numpy as np
 PAGE_BYTES = mmap.PAGESIZE
 
 
+def buffers(tensors, count: int, shape: tuple, dtype) -> tuple[list[mmap.mmap], list]:
+    """count zeroed arrays of this shape where ``tensors`` keeps a cache (python_backend/runtime/decoder.py; None:
+    the host). On the host, anonymous private memory that the system backs only where it is written and whose pages
+    madvise can give back (the maps, returned too); on a device, torch tensors allocated whole (no maps)."""
+    if tensors is not None and not tensors.host:
+        return [], [tensors.zeros(shape, dtype) for _ in range(count)]
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a shared mapping would keep released pages)
+    maps = [mmap.mmap(-1, nbytes, flags=private) for _ in range(count)]
+    return maps, [np.frombuffer(m, dtype).reshape(shape) for m in maps]
+
+
 class SlotKVCache:
     layout = "slots"
     kv_peak_factor = 1
@@ -41,13 +53,7 @@ class SlotKVCache:
         slot_shape = (slots, shape.num_kv_heads, self.max_len, shape.head_dim)
         nbytes = int(np.prod(slot_shape)) * np.dtype(shape.dtype).itemsize
         self.tensors = decoder.tensors
-        if self.tensors.host:
-            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a shared mapping would keep released pages)
-            self._maps = [mmap.mmap(-1, nbytes, flags=private) for _ in shape.cache_names()]
-            self._buffers = [np.frombuffer(m, shape.dtype).reshape(slot_shape) for m in self._maps]
-        else:  # torch tensors on the decoder's device, allocated whole (nothing to give back per slot)
-            self._maps = []
-            self._buffers = [self.tensors.zeros(slot_shape, shape.dtype) for _ in shape.cache_names()]
+        self._maps, self._buffers = buffers(self.tensors, len(shape.cache_names()), slot_shape, shape.dtype)
         self._slot_bytes = nbytes // slots
         self.lengths = np.zeros(0, np.int64)  # tokens held by each row
         self.reserved = np.zeros(0, np.int64)  # most tokens each row may hold (prompt + max_tokens)

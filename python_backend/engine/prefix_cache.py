@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from python_backend.engine.kv_slots import buffers
+
 MIN_SUFFIX = 2
 
 
@@ -78,14 +80,7 @@ class PrefixCache:
         self._logits_bytes = vocab_size * np.dtype(np.float32).itemsize
         # Whole prompts are kept only with the vocabulary's size known; their logits count as this many tokens.
         self.logits_tokens = -(-self._logits_bytes // cache_shape.bytes_per_token()) if vocab_size else 0
-        if tensors is None or tensors.host:
-            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            self._maps = [mmap.mmap(-1, self._block_bytes * shape[0], flags=private)
-                          for _ in cache_shape.cache_names()]
-            self._pool = [np.frombuffer(m, cache_shape.dtype).reshape(shape) for m in self._maps]
-        else:
-            self._maps = []
-            self._pool = [tensors.zeros(shape, cache_shape.dtype) for _ in cache_shape.cache_names()]
+        self._maps, self._pool = buffers(tensors, len(cache_shape.cache_names()), shape, cache_shape.dtype)
         self._blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))
         self.cached_tokens = 0  # tokens of the budget the entries hold

@@ -72,6 +72,8 @@ class TorchTensors:
     """The cache as torch tensors on one device (``cpu`` or ``cuda:N``): the device path, which the CPU tests run
     with CPU tensors. Indexing and slicing a torch tensor work as on numpy, so the KV batch's code is shared."""
 
+    host = False
+
     def __init__(self, device: str = "cpu"):
         import torch
 
@@ -82,8 +84,6 @@ class TorchTensors:
         if not isinstance(dtype, self.torch.dtype):
             dtype = torch_dtype(dtype)
         return self.torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-
-    host = False
 
     def rows(self, index: np.ndarray):
         return self.torch.as_tensor(index, dtype=self.torch.int64, device=self.device)

@@ -69,9 +69,7 @@ class OnnxSlotDecoder:
                          cache: list[np.ndarray], all_positions: bool = False,
                          extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """extra: more of the graph's inputs by name (a LoRA graph's adapter inputs: python_backend/runtime/lora.py)."""
-        if all_positions and not self.scores_prompts:
-            raise ValueError("this fused graph computes each row's last logits only: build the variant again "
-                             "(make model QUANT=...) to score prompts")
+        self._check_positions(all_positions)
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
@@ -82,6 +80,11 @@ class OnnxSlotDecoder:
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[-1].numpy()
+
+    def _check_positions(self, all_positions: bool) -> None:
+        if all_positions and not self.scores_prompts:
+            raise ValueError("this fused graph computes each row's last logits only: build the variant again "
+                             "(make model QUANT=...) to score prompts")
 
     def _cache_binding(self, cache: list[np.ndarray]) -> ort.IOBinding:
         """A binding with these cache views bound as past and present; the last one is kept, as consecutive decode
@@ -119,17 +122,17 @@ class OnnxSlotDeviceDecoder(OnnxSlotDecoder):
         return cls(cpu_session(model_path, intra_op_threads), TorchTensors("cpu"))
 
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list,
-                         all_positions: bool = False) -> np.ndarray:
-        if all_positions and not self.scores_prompts:
-            raise ValueError("this fused graph computes each row's last logits only: build the variant again "
-                             "(make model QUANT=...) to score prompts")
+                         all_positions: bool = False, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        self._check_positions(all_positions)
         binding = self._cache_binding(cache)
-        small = [("input_ids", input_ids), ("attention_mask", attention_mask)]
+        small = [("input_ids", np.asarray(input_ids, np.int64)),
+                 ("attention_mask", np.asarray(attention_mask, np.int64))]
         if self.has_position_switch:
-            small.append((ALL_POSITIONS_INPUT, np.array([int(all_positions)])))
-        uploaded = [(name, self.tensors.upload(np.asarray(array, np.int64))) for name, array in small]
-        for name, tensor in uploaded:  # (referenced until the run ends)
-            self._bind(binding.bind_input, name, tensor, np.int64)
+            small.append((ALL_POSITIONS_INPUT, np.array([int(all_positions)], np.int64)))
+        small += [(name, np.asarray(array)) for name, array in (extra or {}).items()]
+        uploaded = [(name, self.tensors.upload(array), array.dtype) for name, array in small]
+        for name, tensor, dtype in uploaded:  # (referenced until the run ends)
+            self._bind(binding.bind_input, name, tensor, dtype)
         binding.bind_output("logits", self._device_type, self._device_id)
         binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
