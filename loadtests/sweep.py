@@ -285,13 +285,17 @@ def report(cells: list[Cell], args, output: Path, wall_s: float) -> str:
     return text
 
 
+FULL = {"batch_sizes": "1,2,4,8,16,32", "strategies": "continuous,dynamic,static", "concurrency": "1,8,32"}
+QUICK = {"batch_sizes": "1,8", "strategies": "continuous,static", "concurrency": "8"}
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch sizes 1,8; continuous and static; "
-                                                             "concurrency 8")
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
-    parser.add_argument("--strategies", default="continuous,dynamic,static")
-    parser.add_argument("--concurrency", default="1,8,32")
+                                                             "concurrency 8 (each unless given)")
+    parser.add_argument("--batch-sizes", help="default 1,2,4,8,16,32")
+    parser.add_argument("--strategies", help="default continuous,dynamic,static")
+    parser.add_argument("--concurrency", help="default 1,8,32")
     parser.add_argument("--duration", type=float, default=6.0,
                         help="seconds during which users start new requests, per cell")
     parser.add_argument("--user", default="StreamUser", choices=sorted(ENTRIES))
@@ -301,8 +305,10 @@ def parse_args(argv):
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "sweep")
     parser.add_argument("--runtime", default="onnxruntime", choices=RUNTIMES, help="the server's llm runtime")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.batch_sizes, args.strategies, args.concurrency = "1,8", "continuous,static", "8"
+    defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     MaxTokens.parse(args.max_tokens)  # fail early on a bad distribution
     return args
 
