@@ -8,9 +8,9 @@ plots and a Markdown report naming the best configuration within a latency budge
 Each (max_batch_size, strategy) is applied to the running server without a restart (explicit model control: the
 llm model is loaded again with a config override). For each concurrency level, Locust runs headless for --duration
 seconds with that many users (each sends its next request when the previous answer is complete); with
-`--user ChatStreamUser` the sweep also starts the OpenAI-compatible service (scripts/launcher/openai_server.py) in front of its
-server. Latency, TTFT and ITL come from Locust's own CSV; output tokens/s from the llm model's token counter; queue
-times and batch sizes from Triton's statistics API and the engine's batch-size histogram.
+`--user ChatStreamUser` the sweep also starts the OpenAI-compatible service (scripts/launcher/openai_server.py) in
+front of its server. Latency, TTFT and ITL come from Locust's own CSV; output tokens/s from the llm model's token
+counter; queue times and batch sizes from Triton's statistics API and the engine's batch-size histogram.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def run_locust(prefix: Path, user: str, concurrency: int, duration_s: float, htt
 
 
 def openai_service(grpc_port: int, log_path: Path, model_dir: Path | None = None, timeout_s: float = 120):
-    """The OpenAI-compatible service (scripts/launcher/openai_server.py) in front of a local server, on a free port; a context
-    that yields its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
+    """The OpenAI-compatible service (scripts/launcher/openai_server.py) in front of a local server, on a free port; a
+    context that yields its URL. model_dir: the exported model (default: $TRITON_LLM_MODEL_DIR or build/model)."""
     model_dir = model_dir or default_model_dir()
     return running_openai_api(f"127.0.0.1:{grpc_port}", model_dir, log_path, timeout_s, log_level="warning")
 

@@ -359,9 +359,10 @@ def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(se
     users = ["StreamUser", "GrpcStreamUser"]
     target = ["--host", f"http://127.0.0.1:{server.http}", "--grpc-url", f"127.0.0.1:{server.grpc}"]
     locust = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE)]
-    workers = [subprocess.Popen([*locust, *users, "--worker", "--master-host", "127.0.0.1", "--master-port", str(master_port),
-                                 *target, "--loglevel", "WARNING"], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    workers = [subprocess.Popen([*locust, *users, "--worker", "--master-host", "127.0.0.1",
+                                 "--master-port", str(master_port), *target, "--loglevel", "WARNING"],
+                                cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
     try:
         master = subprocess.run([*locust, *users, "--master", "--master-bind-port",
                                  str(master_port), "--expect-workers", "2", "--expect-workers-max-wait", "120",
