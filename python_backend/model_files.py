@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ONNX_FILE = "onnx/model.onnx"
+ADAPTER_ONNX_FILE = "onnx/model.lora.onnx"  # a variant's graph with adapter inputs (scripts/prepare/lora_graph.py)
 SETTINGS_FILE = "llm_settings.json"
 PARITY_REPORT_FILE = "parity_report.json"
 MODEL_DIR_ENV = "TRITON_LLM_MODEL_DIR"

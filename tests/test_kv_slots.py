@@ -170,6 +170,7 @@ def test_select_moves_the_last_rows_into_holes_and_frees_their_slots():
     cache = SlotKVCache(_ShapeOnly(), slots=6, max_len=40)
     assert cache.max_len % cache.align_tokens == 0 and cache.max_len >= 40
     cache.lengths, cache.reserved = np.array([5, 7, 9, 11, 13, 3]), np.full(6, 40)
+    cache.adapters = [None] * 6
     for buffer in cache._buffers:
         for row in range(6):
             buffer[row, :, : cache.lengths[row]] = row + 1

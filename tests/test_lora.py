@@ -1,5 +1,5 @@
 """LoRA adapters' first steps (issue 35; not served yet): PEFT folders read and checked against the base model, and the
-fused graph's per-row adapter inputs (scripts/prepare/lora_graph.py, python_backend/runtime/lora.py) on a small graph
+fused graph's per-row adapter inputs (scripts/prepare/lora_graph.py, python_backend/lora.py) on a small graph
 named as onnxruntime-genai's builder names its projections, run by onnxruntime: rows with different adapters and rows
 without one in the same call, each equal to PEFT's arithmetic on its own adapter."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,7 +16,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from python_backend.runtime.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
+from python_backend.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
+from scripts.paths import PROJECT_ROOT
 from scripts.prepare.lora_graph import add_adapter_inputs
 
 CONFIG = {"hidden_size": 8, "num_attention_heads": 2, "head_dim": 4, "num_key_value_heads": 1,
@@ -108,7 +111,7 @@ def rng():
 def test_rows_with_different_adapters_and_none_get_each_their_own_adapters_output(tmp_path, rng):
     weights = base_weights(rng)
     model = graph(weights)
-    targets = {(t.layer, t.kind): (t.in_features, t.out_features) for t in add_adapter_inputs(model)}
+    targets = {(t.layer, t.kind): (t.in_features, t.out_features) for t in add_adapter_inputs(model, BASE)}
     assert len(targets) == 10
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     plain = ort.InferenceSession(graph(weights).SerializeToString(), providers=["CPUExecutionProvider"])
@@ -156,3 +159,104 @@ def test_a_folder_that_does_not_fit_the_base_is_refused_naming_what(tmp_path, rn
         read_peft(tmp_path / "head", "head", BASE)
     with pytest.raises(AdapterError, match="has no adapter_config.json"):
         read_peft(tmp_path / "nowhere", "nowhere", BASE)
+
+
+# --- the served model with PEFT's own adapters, in the engine ---
+
+EVAL_PYTHON = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
+ADAPTER_SPECS = {"sql": "8:16:q_proj,v_proj", "chat": "16:16:all:rslora"}  # PEFT's Llama default, and every projection
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def peft_run(settings, kv_prompts, tmp_path_factory):
+    """Adapters made with PEFT on the served model's weights (random B: the answers change) and PEFT's greedy tokens
+    for four chat prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv)."""
+    if not EVAL_PYTHON.exists():
+        pytest.skip(f"{EVAL_PYTHON} is missing (PEFT lives in the eval venv): make eval-venv")
+    folder = tmp_path_factory.mktemp("peft")
+    prompts = kv_prompts[:4]
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--base", settings["hf_dir"], "--output",
+               str(folder), "--prompts", str(folder / "prompts.json"), "--max-tokens", str(MAX_TOKENS),
+               "--eos", ",".join(map(str, settings["eos_token_ids"]))]
+    for name, spec in ADAPTER_SPECS.items():
+        command += ["--adapter", f"{name}:{spec}"]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder, prompts, json.loads((folder / "reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def lora_decoder(model_dir, settings):
+    """The fp32 variant's adapter graph on the CPU."""
+    from python_backend.model_files import ADAPTER_ONNX_FILE
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+    from tests.helpers import variant_folder
+
+    decoder = OnnxSlotDecoder(variant_folder(model_dir, "fp32") / ADAPTER_ONNX_FILE)
+    config = json.loads((Path(settings["hf_dir"]) / "config.json").read_text())
+    assert len(decoder.lora_targets) == 5 * config["num_hidden_layers"]
+    return decoder
+
+
+@pytest.fixture
+def lora_core(lora_decoder):
+    """An engine core on it (its prefix cache empty): continuous batching with prefix caching."""
+    from python_backend.engine.core import EngineCore
+    from python_backend.engine.scheduler import SchedulerConfig
+
+    return EngineCore(lora_decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots", max_context_length=512,
+                                                    kv_budget_tokens=16384, enable_kv_cache_reuse=True))
+
+
+def run(core, sequences) -> list[list[int]]:
+    for seq in sequences:
+        core.add(seq)
+    while core.step().progressed:
+        pass
+    return [seq.output_ids for seq in sequences]
+
+
+def sequences(prompts, adapters, settings, names):
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.sequence import Sequence
+
+    return [Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=MAX_TOKENS,
+                                                                     end_ids=tuple(settings["eos_token_ids"])),
+                     adapter=adapters.get(name)) for name in names for prompt in prompts]
+
+
+def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_greedy_tokens(peft_run, lora_core,
+                                                                                         settings):
+    folder, prompts, reference = peft_run
+    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
+    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}
+    assert all(reference[name] != reference[""] for name in ADAPTER_SPECS), "an adapter that changes nothing"
+    names = ["", "sql", "chat"]
+    expected = [answer for name in names for answer in reference[name]]
+    assert run(lora_core, sequences(prompts, adapters, settings, names)) == expected  # 12 rows in one batch
+    hits = lora_core.prefix.hit_tokens
+    again = sequences(prompts, adapters, settings, list(reversed(names)))  # from the prefix cache, other rows
+    assert run(lora_core, again) == [answer for name in reversed(names) for answer in reference[name]]
+    assert lora_core.prefix.hit_tokens > hits
+
+
+def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run, lora_core, settings):
+    folder, prompts, reference = peft_run
+    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
+    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}  # a fresh load of each
+    prompt = [prompts[1]]
+    assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
+    for name in ("chat", ""):  # the same tokens under another adapter, and the base: nothing found
+        hits = lora_core.prefix.hit_tokens
+        assert run(lora_core, sequences(prompt, adapters, settings, [name])) == [reference[name][1]]
+        assert lora_core.prefix.hit_tokens == hits, name
+    hits = lora_core.prefix.hit_tokens
+    assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
+    assert lora_core.prefix.hit_tokens > hits
+    # the same name loaded again is another adapter: its prefixes are its own
+    again = {"sql": read_peft(folder / "sql", "sql", base)}
+    hits = lora_core.prefix.hit_tokens
+    assert run(lora_core, sequences(prompt, again, settings, ["sql"])) == [reference["sql"][1]]
+    assert lora_core.prefix.hit_tokens == hits

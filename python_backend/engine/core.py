@@ -101,6 +101,9 @@ class EngineCore:
             raise InvalidRequestError(f"prompt log-probabilities are not available on this runtime "
                                       f"({type(self.decoder).__name__}: its graph returns the last position's logits "
                                       "only)")
+        if sequence.adapter is not None and getattr(self.cache, "lora", None) is None:
+            raise InvalidRequestError(f"LoRA adapter {sequence.adapter.name!r}: this server runs no adapter graph "
+                                      "(adapters need a variant's folder, the fused graph, and max_loras above 0)")
         need = cache_bound(self.config.kv_layout, [sequence], 0)
         if need > self.config.kv_budget_tokens:
             raise InvalidRequestError(
@@ -231,7 +234,7 @@ class EngineCore:
 
     def _prefill_chunk(self, sequences: list[Sequence]) -> Iterator[Event]:
         unique, forks = self._unique(sequences)
-        hits = {id(s): self.prefix.match(s.prompt_ids, s.cache_salt, _scores_top(s)) for s in unique} \
+        hits = {id(s): self.prefix.match(s.prompt_ids, s.prefix_salt, _scores_top(s)) for s in unique} \
             if self.prefix else {}
         fresh = [s for s in unique if not hits.get(id(s))]
         first_row = len(self.running)
@@ -240,8 +243,10 @@ class EngineCore:
             group = [s for s in fresh if s.params.prompt_logprobs == scoring]
             if not group:
                 continue
+            adapters = {"adapters": [s.adapter for s in group]} if any(s.adapter for s in group) else {}
             logits, group_computed, group_padding = self.cache.prefill(
-                [s.prompt_ids for s in group], [s.reserved_tokens() for s in group], all_positions=scoring)
+                [s.prompt_ids for s in group], [s.reserved_tokens() for s in group], all_positions=scoring,
+                **adapters)
             if scoring:
                 for seq, positions in zip(group, logits):
                     seq.prompt_logprobs = [None] + _scores(seq, positions[:-1], 1)
@@ -280,7 +285,7 @@ class EngineCore:
         if self.prefix is not None:
             room = self._prefix_room()
             for i, seq in enumerate(joined[:len(computed_rows)]):
-                self.prefix.store(seq.prompt_ids, seq.cache_salt, self.cache.row(first_row + i), room, logits[i],
+                self.prefix.store(seq.prompt_ids, seq.prefix_salt, self.cache.row(first_row + i), room, logits[i],
                                   seq.prompt_logprobs, seq.params.top_logprobs)
         if not joined:
             return
@@ -298,16 +303,17 @@ class EngineCore:
         cached (the cache keeps scores, not logits)."""
         scoring = seq.params.prompt_logprobs
         if hit.whole is not None:  # the whole prompt is cached, its last logits too (and scores): nothing to compute
-            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill)
+            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill, seq.adapter)
             if scoring:
                 seq.prompt_logprobs = hit.scores()
             return hit.whole.logits[None], 0
         cached = hit.tokens(self.prefix.block_tokens)
         if not scoring:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
-            logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill)
+            logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill,
+                                                      adapter=seq.adapter)
             return logits, rest
         positions, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached - 1, fill,
-                                                      all_positions=True)
+                                                      all_positions=True, adapter=seq.adapter)
         seq.prompt_logprobs = hit.scores() + _scores(seq, positions[:-1], cached)
         return positions[-1:], rest
 
@@ -330,7 +336,7 @@ class EngineCore:
             return sequences, []
         unique, forks, first = [], [], {}
         for seq in sequences:
-            source = first.setdefault((seq.cache_salt, tuple(seq.prompt_ids), _scores_top(seq)), seq)
+            source = first.setdefault((seq.prefix_salt, tuple(seq.prompt_ids), _scores_top(seq)), seq)
             if source is seq:
                 unique.append(seq)
             else:

@@ -22,6 +22,8 @@ import mmap
 
 import numpy as np
 
+from python_backend.lora import AdapterInputs
+
 PAGE_BYTES = mmap.PAGESIZE
 
 
@@ -57,6 +59,10 @@ class SlotKVCache:
         self._slot_bytes = nbytes // slots
         self.lengths = np.zeros(0, np.int64)  # tokens held by each row
         self.reserved = np.zeros(0, np.int64)  # most tokens each row may hold (prompt + max_tokens)
+        # LoRA: each row's adapter (None: the base), fed to a graph with adapter inputs at every call
+        targets = getattr(decoder, "lora_targets", None)
+        self.lora = AdapterInputs(targets) if targets else None
+        self.adapters: list = []
 
     @property
     def size(self) -> int:
@@ -76,12 +82,21 @@ class SlotKVCache:
     def _rows(self, start: int, stop: int) -> list[np.ndarray]:
         return [b[start:stop] for b in self._buffers]
 
-    def prefill(self, prompts: list[list[int]], reserved: list[int],
-                all_positions: bool = False) -> tuple[np.ndarray | list[np.ndarray], int, int]:
-        """Writes the prompts into the next free slots as one right-padded batch. Returns each prompt's
-        last-position logits [rows, vocab] (with all_positions, per row the logits of each of its positions
-        [its length, vocab]), the positions computed and the padding among them."""
+    def _adapter_inputs(self, adapters: list) -> dict:
+        """The forward's keyword for these rows' adapters (none without an adapter graph)."""
+        if self.lora is None:
+            if any(a is not None for a in adapters):
+                raise ValueError("a LoRA adapter needs the variant's adapter graph (a server started with max_loras)")
+            return {}
+        return {"extra": self.lora.for_rows(adapters)}
+
+    def prefill(self, prompts: list[list[int]], reserved: list[int], all_positions: bool = False,
+                adapters: list | None = None) -> tuple[np.ndarray | list[np.ndarray], int, int]:
+        """Writes the prompts into the next free slots as one right-padded batch (each with its LoRA adapter, or
+        None). Returns each prompt's last-position logits [rows, vocab] (with all_positions, per row the logits of
+        each of its positions [its length, vocab]), the positions computed and the padding among them."""
         start, rows = self.size, len(prompts)
+        adapters = adapters or [None] * rows
         if start + rows > self.slots:
             raise ValueError(f"{start + rows} rows do not fit {self.slots} KV-cache slots")
         lengths = np.array([len(p) for p in prompts], np.int64)
@@ -94,10 +109,12 @@ class SlotKVCache:
             input_ids[row, : len(prompt)] = prompt
         try:
             logits = self.decoder.forward_in_place(input_ids, mask, self._rows(start, start + rows),
-                                                   **({"all_positions": True} if all_positions else {}))
+                                                   **({"all_positions": True} if all_positions else {}),
+                                                   **self._adapter_inputs(adapters))
         except Exception:
             self.release(range(start, start + rows))
             raise
+        self.adapters += adapters
         self.lengths = np.concatenate([self.lengths, lengths])
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
         computed = (rows * longest, rows * longest - int(lengths.sum()))
@@ -107,8 +124,8 @@ class SlotKVCache:
         last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]
         return last, *computed
 
-    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill,
-                      all_positions: bool = False) -> tuple[np.ndarray, int, int]:
+    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill, all_positions: bool = False,
+                      adapter=None) -> tuple[np.ndarray, int, int]:
         """One prompt into the next free slot, whose first ``cached`` tokens ``fill(row)`` writes (a prefix cache's
         blocks: it may write more, which the rest's prefill overwrites); the rest is prefilled in that slot alone.
         Returns the prompt's last-position logits [1, vocab] (with all_positions those of the rest's positions,
@@ -121,15 +138,17 @@ class SlotKVCache:
             fill(row)
             logits = self.decoder.forward_in_place(np.array([prompt[cached:]], np.int64),
                                                    np.ones((1, len(prompt)), np.int64), row,
-                                                   **({"all_positions": True} if all_positions else {}))
+                                                   **({"all_positions": True} if all_positions else {}),
+                                                   **self._adapter_inputs([adapter]))
         except Exception:
             self.release([start])
             raise
+        self.adapters.append(adapter)
         self.lengths = np.append(self.lengths, len(prompt))
         self.reserved = np.append(self.reserved, reserved)
         return (logits[0] if all_positions else logits[:, -1]), len(prompt) - cached, 0
 
-    def adopt(self, length: int, reserved: int, fill) -> None:
+    def adopt(self, length: int, reserved: int, fill, adapter=None) -> None:
         """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix
         cache holds entire): nothing is computed."""
         start = self.size
@@ -140,6 +159,7 @@ class SlotKVCache:
         except Exception:
             self.release([start])
             raise
+        self.adapters.append(adapter)
         self.lengths = np.append(self.lengths, length)
         self.reserved = np.append(self.reserved, reserved)
 
@@ -152,7 +172,7 @@ class SlotKVCache:
             for target, held in zip(row, self.row(source)):
                 target[:, :, :length] = held[:, :, :length]
 
-        self.adopt(length, reserved, copy)
+        self.adopt(length, reserved, copy, self.adapters[source])
 
     def row(self, r: int) -> list[np.ndarray]:
         """Row r's cache: one [1, kv_heads, max_len, head_dim] view per layer key and value."""
@@ -165,7 +185,8 @@ class SlotKVCache:
         rows = self.size if rows is None else rows
         grown = np.minimum(self.lengths[:rows] + 1, self.reserved[:rows])
         mask = (np.arange(int(grown.max()))[None, :] < grown[:, None]).astype(np.int64)
-        logits = self.decoder.forward_in_place(next_tokens[:rows].reshape(-1, 1), mask, self._rows(0, rows))
+        logits = self.decoder.forward_in_place(next_tokens[:rows].reshape(-1, 1), mask, self._rows(0, rows),
+                                               **self._adapter_inputs(self.adapters[:rows]))
         self.lengths[:rows] = grown
         return logits[:, -1, :]
 
@@ -178,6 +199,7 @@ class SlotKVCache:
             buffer[b, :, :used] = held
         for array in (self.lengths, self.reserved):
             array[[a, b]] = array[[b, a]]
+        self.adapters[a], self.adapters[b] = self.adapters[b], self.adapters[a]
 
     def select(self, rows: list[int]) -> list[int]:
         """Keeps these rows (ascending): the last kept rows move into the holes that leaving rows opened below
@@ -194,11 +216,13 @@ class SlotKVCache:
             order[hole] = row
         self.release(range(kept, self.size))
         self.lengths, self.reserved = self.lengths[order], self.reserved[order]
+        self.adapters = [self.adapters[r] for r in order]
         return order
 
     def clear(self) -> None:
         self.release(range(self.size))
         self.lengths, self.reserved = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.adapters = []
 
     def release(self, slots) -> None:
         """Gives the slots' memory back to the system (reads as zeros after)."""

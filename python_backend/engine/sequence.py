@@ -32,6 +32,8 @@ class Sequence:
     # Guided decoding: masks this sequence's logits at each step and ends it when its grammar is complete
     # (python_backend/guided/guide.py); None when unconstrained.
     guide: object | None = field(default=None, repr=False)
+    # LoRA: the adapter this sequence runs with (python_backend/lora.py's Adapter); None for the base model.
+    adapter: object | None = field(default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when params.logprobs
     # With params.prompt_logprobs, after the prefill: one per prompt token, None for the first (nothing before it).
@@ -43,6 +45,13 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     chooser: TokenChooser = field(init=False, repr=False)
+
+    @property
+    def prefix_salt(self) -> str:
+        """What the prefix cache keys this prompt's blocks by besides its tokens: its salt, and its adapter (each load
+        of one: a name loaded again with other weights shares nothing), whose keys and values differ from the
+        base's."""
+        return self.cache_salt if self.adapter is None else f"{self.cache_salt}\x00lora:{self.adapter.key}"
 
     def __post_init__(self):
         self.chooser = TokenChooser(self.params, self.prompt_ids)

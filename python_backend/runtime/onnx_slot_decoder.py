@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from python_backend.runtime.decoder import CacheShape, HostTensors, TorchTensors
+from python_backend.lora import graph_targets
 from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
 
 FUSED_ATTENTION_OP = "GroupQueryAttention"
@@ -59,6 +60,8 @@ class OnnxSlotDecoder:
         self._bound = None
         self.has_position_switch = any(i.name == ALL_POSITIONS_INPUT for i in self.session.get_inputs())
         self.gathers_last = logits.shape[1] == 1 and not self.has_position_switch
+        # LoRA: the projections whose adapter inputs the graph has (a variant's adapter graph), else empty
+        self.lora_targets = graph_targets((i.name, i.shape) for i in self.session.get_inputs())
 
     @property
     def scores_prompts(self) -> bool:
@@ -68,7 +71,7 @@ class OnnxSlotDecoder:
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                          cache: list[np.ndarray], all_positions: bool = False,
                          extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """extra: more of the graph's inputs by name (a LoRA graph's adapter inputs: python_backend/runtime/lora.py)."""
+        """extra: more of the graph's inputs by name (a LoRA graph's adapter inputs: python_backend/lora.py)."""
         self._check_positions(all_positions)
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))

@@ -20,7 +20,7 @@ import onnx
 
 from python_backend.engine.kv_slots import SlotKVCache
 from python_backend.model_files import ONNX_FILE, SETTINGS_FILE
-from python_backend.runtime.lora import KINDS, Adapter, AdapterInputs, BaseShapes
+from python_backend.lora import KINDS, Adapter, AdapterInputs, BaseShapes
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
 from scripts.prepare.lora_graph import add_adapter_inputs
 

@@ -21,6 +21,8 @@ Weights only; activations and the KV cache stay fp32:
 A model the fused graph cannot take (sliding-window layers: fused_graph.refusal) gets fp32 and fp16 on the export's
 own graph instead (its padded cache: no prefix caching), said in the build's log and the folder's settings; int4 and
 fast are refused.
+A variant on the fused graph also gets ``onnx/model.lora.onnx``: the same graph with LoRA adapter inputs on each
+projection, reading the same weights file (scripts/prepare/lora_graph.py), which a server with adapters loads.
 The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: docs/models.md,
 docs/performance.md.
 """
@@ -44,12 +46,13 @@ import onnx  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
+from python_backend.lora import BaseShapes  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import block_quantization, fused_graph, gguf_grid, source_grid  # noqa: E402
+from scripts.prepare import block_quantization, fused_graph, gguf_grid, lora_graph, source_grid  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 6  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 7  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
@@ -256,6 +259,9 @@ def build_variant(source: Path, output: Path, recipe: Recipe, graph: str = FUSED
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
     stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
+    if graph == FUSED:  # LoRA adapters per row: the same graph with adapter inputs, on the same weights file
+        config = json.loads((source_weights(source) / "config.json").read_text())
+        lora_graph.write_adapter_graph(output, BaseShapes.from_config(config))
     return stats
 
 

@@ -10,7 +10,9 @@ graph's packed QKV projection, so their ``A`` sit side by side and their ``B`` i
 its adapter or none: the step's distinct adapters side by side (joined once per set of adapters, then reused), and one
 mask per projection kind selecting each row's own columns.
 
-Not yet wired into the variants, the engine or the servers (issue 35).
+Each variant on the fused graph holds an adapter graph (scripts/prepare/quantize.py); the slot cache
+(python_backend/engine/kv_slots.py) keeps each row's adapter and feeds these inputs at every call. Not served yet
+(issue 35).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ KINDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gat
          "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 KIND_OF = {module: kind for kind, modules in KINDS.items() for module in modules}
 _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_A_INPUT = re.compile(r"^lora\.(\d+)\.(\w+)\.a$")
 UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole modules trained beside the adapter)",
                "rank_pattern": "rank_pattern (a rank per module)",
                "alpha_pattern": "alpha_pattern (an alpha per module)"}
@@ -91,6 +95,8 @@ class Adapter:
     name: str
     widths: dict[str, int]
     matrices: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = field(repr=False)
+    # This load of the adapter (a name loaded again with other weights is another adapter to the prefix cache).
+    key: str = field(default_factory=lambda: f"{secrets.token_hex(8)}")
 
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.matrices.values())
@@ -163,6 +169,19 @@ def read_peft(folder: str | Path, name: str, base: BaseShapes, max_rank: int = 6
     return Adapter(name, widths, matrices)
 
 
+def graph_targets(inputs) -> dict[tuple[int, str], tuple[int, int]]:
+    """(layer, kind) -> (in, out) of a graph's adapter inputs, from its inputs' (name, shape): A is [in, width] and B
+    [width, out] (python_backend/runtime/onnx_slot_decoder.py reads them from its session)."""
+    shapes = dict(inputs)
+    found = {}
+    for name, shape in shapes.items():
+        match = _A_INPUT.match(name)
+        if match:
+            layer, kind = int(match.group(1)), match.group(2)
+            found[(layer, kind)] = (int(shape[0]), int(shapes[b_input(layer, kind)][1]))
+    return found
+
+
 class AdapterInputs:
     """The adapter inputs of the fused graph's projections (``targets``: (layer, kind) -> (in, out)) for the rows of
     a step. The last set of adapters' joined matrices is kept: consecutive steps mostly run the same set."""
@@ -173,20 +192,20 @@ class AdapterInputs:
         self._joined: tuple[tuple[str, ...], dict[str, np.ndarray]] | None = None
 
     def for_rows(self, adapters: list[Adapter | None]) -> dict[str, np.ndarray]:
-        active = list({a.name: a for a in adapters if a is not None}.values())
-        key = tuple(a.name for a in active)
+        active = list({a.key: a for a in adapters if a is not None}.values())
+        key = tuple(a.key for a in active)
         if self._joined is None or self._joined[0] != key:
             self._joined = (key, self._join(active))
         inputs = dict(self._joined[1])
         for kind in self.kinds:
             starts, start = {}, 0
             for adapter in active:
-                starts[adapter.name] = start
+                starts[adapter.key] = start
                 start += adapter.widths.get(kind, 0)
             mask = np.zeros((len(adapters), 1, start), np.float32)
             for row, adapter in enumerate(adapters):
                 if adapter is not None and adapter.widths.get(kind):
-                    mask[row, 0, starts[adapter.name]:starts[adapter.name] + adapter.widths[kind]] = 1.0
+                    mask[row, 0, starts[adapter.key]:starts[adapter.key] + adapter.widths[kind]] = 1.0
             inputs[mask_input(kind)] = mask
         return inputs
 
