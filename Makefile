@@ -125,6 +125,11 @@ batch: model
 ifeq ($(origin OPENAI_API_KEY),command line)
 serve: export TRITON_LLM_API_KEYS := $(OPENAI_API_KEY)
 endif
+# LoRA adapters: `make serve LORA_MODULES=name=path,...` (PEFT folders; vLLM's --lora-modules form), each then a model
+# of the OpenAI API; the llm model and the API read them from the environment.
+ifneq ($(LORA_MODULES),)
+serve: export TRITON_LLM_LORA_MODULES := $(LORA_MODULES)
+endif
 serve: model
 	$(PY) -m scripts.launcher.triton_server --address $(ADDRESS) \
 		$(if $(filter-out onnxruntime,$(RUNTIME)),--runtime $(RUNTIME)) \

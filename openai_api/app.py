@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP service in front of Triton's ``ensemble`` model (FastAPI).
 
 POST /v1/completions and /v1/chat/completions (whole answers or SSE streams), GET /v1/models[/{id}], GET /health/ready
-and /health/live. A request is validated here as far as it can be (fields, model id, context length) before it reaches
-Triton; what only the ensemble can judge comes back tagged and keeps its status. A stream's 200 is sent only once
-every choice's first response is in, so an error the ensemble finds is still a real 400 or 503. Chat messages are
-rendered with the model's own chat template here, and the ensemble gets the rendered text as a raw prompt."""
+and /health/live; LoRA adapters are models whose parent is the base (a request's model picks one), loaded and unloaded
+with vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request is validated here as far as it can be
+(fields, model id, context length) before it reaches Triton; what only the ensemble can judge comes back tagged and
+keeps its status. A stream's 200 is sent only once every choice's first response is in, so an error the ensemble
+finds is still a real 400 or 503. Chat messages are rendered with the model's own chat template here, and the
+ensemble gets the rendered text as a raw prompt."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,10 +29,11 @@ from openai_api.batch.config import BatchConfig
 from openai_api.batch.routes import batch_router, owner
 from openai_api.batch.runner import BatchRunner, RunnerConfig
 from openai_api.batch.store import Store
-from openai_api.errors import APIError, InvalidRequest, TooLarge, Unavailable, unknown_model
+from openai_api.errors import APIError, InvalidRequest, NotFound, TooLarge, Unavailable, unknown_model
 from openai_api.generation import Choice, complete, first_pieces, stream_events
 from openai_api.metrics import ApiMetrics, MetricsMiddleware
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from openai_api.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
+                                 UnloadLoraAdapterRequest, parse_adapter_request, parse_request)
 from openai_api.responses import ChatFormat, ChatLogprobs, CompletionFormat, CompletionLogprobs
 from openai_api.token_text import TokenTexts
 from openai_api.tools import CallStream, ToolUse, generic_messages, native_messages
@@ -43,7 +46,8 @@ MAX_BODY_BYTES = 1 << 20  # the ensemble takes prompts of up to 64 KiB; this bou
 DISCONNECT_POLL_S = 0.2  # how often a request that has not answered yet looks whether its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Named in the 404 of a route that is not served (OpenAI's Responses API, say).
-SERVED_ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /v1/files and /v1/batches"
+SERVED_ROUTES = ("/v1/chat/completions, /v1/completions, /v1/models, /v1/files, /v1/batches, "
+                 "/v1/load_lora_adapter and /v1/unload_lora_adapter")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class ServiceConfig:
     health_url: str | None = None  # e.g. the supervisor's http://127.0.0.1:8003/health/ready
     default_max_tokens: int | None = None  # chat without max_tokens; default: the rest of the context
     api_keys: tuple[str, ...] = ()  # none: the API is open (then bind it to loopback only)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters the llm model loads at start: (name, path)
     batch: BatchConfig = BatchConfig()
 
 
@@ -72,13 +77,24 @@ class Service:
         self.template_knows_tools = "tools" in str(self.tokenizer.tokenizer.chat_template or "")
         self.backend = TritonBackend(config.triton_url, settings.max_position_embeddings)
         self.created = int((Path(config.model_dir) / SETTINGS_FILE).stat().st_mtime)  # when the model was exported
+        # LoRA adapters by name (the request's model), with the folder each was loaded from; the llm model holds them
+        self.adapters: dict[str, str] = dict(config.lora_modules)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model:
-            raise unknown_model(model)
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter a request's model names ("" for the base model); 404 for a model not served."""
+        if model == self.model:
+            return ""
+        if model in self.adapters:
+            return model
+        raise unknown_model(model)
 
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "triton-llm"}
+
+    def adapter_card(self, name: str) -> dict:
+        """vLLM's card of an adapter: its base as parent, its folder as root."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "triton-llm",
+                "parent": self.model, "root": self.adapters[name]}
 
     async def model_card_with_batch(self) -> dict:
         """The card, and (an extension) the engine's max_batch_size, from which batch runners size their
@@ -180,7 +196,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     async def completion_choices(raw: bytes, owner: str) -> tuple[list[Choice], CompletionFormat, bool]:
         body: CompletionRequest = parse_request(CompletionRequest, raw, service.vocab_size)
-        service.check_model(body.model)
+        lora_name = service.check_model(body.model)
         scored = body.scores_prompt
         # A token-id prompt is sent as its ids; its text (special tokens kept) is what echo puts in front. A text
         # prompt scored is tokenized here, as the ensemble would, so that its tokens can be named.
@@ -192,7 +208,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
                    for p, (prompt, prompt_ids) in enumerate(zip(body.prompt, ids))]
         shared = dict(stream=bool(body.stream), echo=bool(body.echo), log_probs=body.logprobs is not None,
                       top_log_probs=body.logprobs or 0, prompt_log_probs=scored, **body.sampling(),
-                      cache_salt=tenant_salt(owner, body.cache_salt))
+                      cache_salt=tenant_salt(owner, body.cache_salt), lora_name=lora_name)
         n = body.choices_per_prompt
         texts = [p if isinstance(p, str) else service.tokenizer.tokenizer.decode(p, skip_special_tokens=False)
                  for p in body.prompt]
@@ -208,11 +224,11 @@ def create_app(config: ServiceConfig) -> FastAPI:
                 logprobs(prompt_ids))
             for p, (prompt_ids, text, max_tokens) in enumerate(zip(ids, texts, budgets)) for j in range(n)
         ]
-        return choices, CompletionFormat(service.model, body.include_usage), bool(body.stream)
+        return choices, CompletionFormat(body.model, body.include_usage), bool(body.stream)
 
     async def chat_choices(raw: bytes, owner: str) -> tuple[list[Choice], ChatFormat, bool]:
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw, service.vocab_size)
-        service.check_model(body.model)
+        lora_name = service.check_model(body.model)
         tools = body.tool_use()
         prompt_ids = service.render_chat([m.template_message() for m in body.messages], tools)
         max_tokens = await service.budget(prompt_ids, "messages", body.requested_max_tokens,
@@ -220,14 +236,14 @@ def create_app(config: ServiceConfig) -> FastAPI:
         prompt = service.tokenizer.tokenizer.decode(prompt_ids)  # text_input, for its byte limit; not tokenized again
         logprobs = bool(body.logprobs)
         shared = dict(stream=bool(body.stream), log_probs=logprobs, top_log_probs=body.top_logprobs or 0,
-                      **body.sampling(), cache_salt=tenant_salt(owner, body.cache_salt))
+                      **body.sampling(), cache_salt=tenant_salt(owner, body.cache_salt), lora_name=lora_name)
         choices = [
             Choice(j, 0, service.backend.generate(EnsembleRequest(prompt, max_tokens, prompt_ids=prompt_ids,
                                                                   seed=body.seed_of(j), **shared)),
                    ChatLogprobs(service.texts) if logprobs else None, CallStream(tools) if tools else None)
             for j in range(body.choices_per_prompt)
         ]
-        return choices, ChatFormat(service.model, body.include_usage), bool(body.stream)
+        return choices, ChatFormat(body.model, body.include_usage), bool(body.stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -262,12 +278,38 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [await service.model_card_with_batch()]}
+        adapters = [service.adapter_card(name) for name in sorted(service.adapters)]
+        return {"object": "list", "data": [await service.model_card_with_batch(), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        service.check_model(model_id)
+        if service.check_model(model_id):
+            return service.adapter_card(model_id)
         return await service.model_card_with_batch()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """vLLM's route: the llm model reads and checks the PEFT folder (a 400 names what does not fit)."""
+        body = parse_adapter_request(LoadLoraAdapterRequest, await read_body(request))
+        if body.lora_name == service.model:
+            raise InvalidRequest(f"{body.lora_name!r} is the base model's name", param="lora_name")
+        known = service.adapters.get(body.lora_name)
+        if known is not None and known != body.lora_path:
+            raise InvalidRequest(f"The lora adapter '{body.lora_name}' has already been loaded (from {known})",
+                                 param="lora_name")
+        await service.backend.control_adapter(body.lora_name, path=body.lora_path)
+        service.adapters[body.lora_name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = parse_adapter_request(UnloadLoraAdapterRequest, await read_body(request))
+        if body.lora_name not in service.adapters:
+            raise NotFound(f"The lora adapter '{body.lora_name}' cannot be found", param="lora_name",
+                           code="model_not_found")
+        await service.backend.control_adapter(body.lora_name, unload=True)
+        del service.adapters[body.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health/ready")
     async def ready():

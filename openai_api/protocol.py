@@ -313,3 +313,24 @@ def _param(loc: tuple) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
+
+
+class LoadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/unload_lora_adapter body (its lora_int_id is accepted and not used)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
+
+
+def parse_adapter_request(model: type[Strict], body: bytes) -> Strict:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise _invalid(error) from None

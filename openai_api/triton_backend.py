@@ -8,6 +8,7 @@ decides between a 400 and a 503. A request's stream ends with the response that 
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +47,7 @@ class EnsembleRequest:
     cache_salt: str = ""
     guide: Guide | None = None  # structured output: the grammar the engine enforces
     priority: int = 0  # lower runs earlier; batch jobs' lines run with a positive one
+    lora_name: str = ""  # the LoRA adapter to run with (empty: the base model)
 
     def inputs(self) -> list[grpcclient.InferInput]:
         tensors = [
@@ -84,6 +86,8 @@ class EnsembleRequest:
             tensors.append(_tensor("cache_salt", np.array([[self.cache_salt.encode("utf-8")]], np.object_)))
         if self.priority:
             tensors.append(_tensor("priority", np.array([[self.priority]], np.int32)))
+        if self.lora_name:
+            tensors.append(_tensor("lora_name", np.array([[self.lora_name.encode("utf-8")]], np.object_)))
         if self.guide:
             tensors.append(_tensor("guided_decoding_guide_type", np.array([[self.guide.type.encode()]], np.object_)))
             tensors.append(_tensor("guided_decoding_guide", np.array([[self.guide.text.encode("utf-8")]], np.object_)))
@@ -263,6 +267,28 @@ class TritonBackend:
         """Starts the request at once; its responses come from the returned Generation."""
         message = {"model_name": ENSEMBLE, "inputs": request.inputs(), "parameters": {"tag_errors": True}}
         return Generation(self.client.stream_infer(_once(message)), self.url)
+
+    async def control_adapter(self, name: str, path: str | None = None, unload: bool = False) -> None:
+        """Loads (path) or unloads a LoRA adapter in the llm model, which answers once it is done; its refusal is
+        raised as the APIError it maps to (400 for a folder that does not fit)."""
+        inputs = [_tensor("lora_name", np.array([[name.encode("utf-8")]], np.object_)),
+                  # keyed: an error comes back as a data response with its code tagged (python_backend/errors.py)
+                  _tensor("request_key", np.array([[secrets.token_hex(16).encode()]], np.object_))]
+        if path is not None:
+            inputs.append(_tensor("lora_path", np.array([[path.encode("utf-8")]], np.object_)))
+        if unload:
+            inputs.append(_tensor("lora_unload", np.array([[True]], np.bool_)))
+        try:
+            async for result, error in self.client.stream_infer(_once({"model_name": LLM, "inputs": inputs})):
+                if error is not None:
+                    raise model_error(error.message())
+                message = _Outputs(result).string("error")
+                if message:
+                    raise model_error(message)
+                return
+        except grpc.aio.AioRpcError as rpc_error:
+            raise _rpc_error(rpc_error, self.url) from None
+        raise APIError("Triton closed the stream before the llm model answered")
 
     async def problems(self) -> list[str]:
         """Why Triton cannot serve now (empty: it can)."""

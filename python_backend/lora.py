@@ -21,6 +21,8 @@ import json
 import math
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +72,14 @@ class BaseShapes:
             "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inner), "up_proj": (hidden, inner),
             "down_proj": (inner, hidden)})
+
+    def to_json(self) -> dict:
+        return {"num_layers": self.num_layers, "modules": {m: list(shape) for m, shape in self.modules.items()}}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "BaseShapes":
+        """What to_json wrote (a variant's llm_settings.json ``lora_base``: scripts/prepare/quantize.py)."""
+        return cls(int(raw["num_layers"]), {m: (int(i), int(o)) for m, (i, o) in raw["modules"].items()})
 
     def kind_shape(self, kind: str) -> tuple[int, int]:
         """(in, out) of a fused projection: the packed QKV's out is q's, k's and v's together."""
@@ -218,3 +228,94 @@ class AdapterInputs:
             joined[b_input(layer, kind)] = np.ascontiguousarray(
                 np.concatenate([b for _, b in parts], axis=0) if parts else np.zeros((0, features_out), np.float32))
         return joined
+
+
+MAX_NAME_CHARS = 128
+
+
+class AdapterStore:
+    """The adapters a server knows, by name (each a PEFT folder), and those resident in memory: at most
+    ``max_loras``, the least recently used dropped beyond that and read again from its folder when next asked for.
+    A sequence holds its Adapter, so dropping or unloading one never changes a request that runs with it.
+    Thread-safe: requests ask for adapters while a load or unload registers them."""
+
+    def __init__(self, base: BaseShapes, max_loras: int, max_rank: int = 64):
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1 to serve adapters, got {max_loras}")
+        self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
+        self._folders: dict[str, tuple[Path, str]] = {}  # name -> (folder, the registration's key)
+        self._resident: OrderedDict[str, Adapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._folders)
+
+    def load(self, name: str, folder: str | Path) -> Adapter:
+        """Registers the folder under this name, read and checked first (AdapterError says what does not fit). The
+        same name and folder again is a no-op; another folder under a loaded name is refused."""
+        if not name or len(name) > MAX_NAME_CHARS or any(c in name for c in ",=\n"):
+            raise AdapterError(f"adapter name {name!r}: 1 to {MAX_NAME_CHARS} characters, none of , = or newline")
+        folder = Path(folder).resolve()
+        with self._lock:
+            known = self._folders.get(name)
+            if known is not None:
+                if known[0] != folder:
+                    raise AdapterError(f"adapter {name!r} is already loaded from {known[0]}: unload it first")
+                return self._get_locked(name)
+        adapter = read_peft(folder, name, self.base, self.max_rank)
+        with self._lock:
+            self._folders.setdefault(name, (folder, adapter.key))
+            self._resident[name] = adapter
+            self._trim_locked()
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            if self._folders.pop(name, None) is None:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+            self._resident.pop(name, None)
+
+    def get(self, name: str) -> Adapter:
+        """The adapter by name, read again from its folder if it was dropped; UnknownAdapterError when no adapter
+        of that name is loaded."""
+        with self._lock:
+            return self._get_locked(name)
+
+    def _get_locked(self, name: str) -> Adapter:
+        adapter = self._resident.get(name)
+        if adapter is not None:
+            self._resident.move_to_end(name)
+            return adapter
+        known = self._folders.get(name)
+        if known is None:
+            loaded = ", ".join(sorted(self._folders)) or "none"
+            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+        adapter = read_peft(known[0], name, self.base, self.max_rank)
+        adapter.key = known[1]  # the same registration: its cached prefixes are still its own
+        self._resident[name] = adapter
+        self._trim_locked()
+        return adapter
+
+    def _trim_locked(self) -> None:
+        while len(self._resident) > self.max_loras:
+            self._resident.popitem(last=False)
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes() for a in self._resident.values())
+
+
+class UnknownAdapterError(AdapterError):
+    """A request or an unload names an adapter that is not loaded (the OpenAI API answers 404)."""
+
+
+def parse_modules(text: str) -> dict[str, str]:
+    """``name=path[,name=path...]`` (vLLM's --lora-modules form, make serve's LORA_MODULES) as name -> path."""
+    modules = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise AdapterError(f"LoRA module {item!r}: expected name=path")
+        modules[name.strip()] = path.strip()
+    return modules

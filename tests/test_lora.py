@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from python_backend.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
 from scripts.paths import PROJECT_ROOT
 from scripts.prepare.lora_graph import add_adapter_inputs
+from tests.helpers import metrics, wait_for
 
 CONFIG = {"hidden_size": 8, "num_attention_heads": 2, "head_dim": 4, "num_key_value_heads": 1,
           "intermediate_size": 12, "num_hidden_layers": 2}
@@ -260,3 +261,131 @@ def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run,
     hits = lora_core.prefix.hit_tokens
     assert run(lora_core, sequences(prompt, again, settings, ["sql"])) == [reference["sql"][1]]
     assert lora_core.prefix.hit_tokens == hits
+
+
+# --- served: the llm model with adapters named at start, the ensemble and the OpenAI API ---
+
+@pytest.fixture(scope="module")
+def lora_modules(peft_run) -> str:
+    folder, _, _ = peft_run
+    return ",".join(f"{name}={folder / name}" for name in ADAPTER_SPECS)
+
+
+@pytest.fixture(scope="module")
+def lora_server(servers, model_dir, lora_modules):
+    """The fp32 variant served with the two PEFT adapters named at start (as `make serve LORA_MODULES=...`)."""
+    from python_backend.serving.llm_adapters import LORA_MODULES_ENV
+    from tests.helpers import variant_folder
+
+    return servers.get(variant_folder(model_dir, "fp32"), env={LORA_MODULES_ENV: lora_modules})
+
+
+@pytest.fixture(scope="module")
+def lora_api(lora_server, model_dir, lora_modules, tmp_path_factory):
+    """The OpenAI API in front of it, told the same adapters; yields its official client."""
+    import openai
+
+    from scripts.launcher.openai_server import running_openai_api
+
+    log = tmp_path_factory.mktemp("lora-openai") / "service.log"
+    with running_openai_api(f"127.0.0.1:{lora_server.grpc}", model_dir, log,
+                            extra_args=("--lora-modules", lora_modules)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.mark.server
+def test_the_openai_api_serves_each_adapter_as_a_model_mixed_with_the_base_as_peft_answers(peft_run, lora_api, model,
+                                                                                          tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, prompts, reference = peft_run
+    cards = {card.id: card for card in lora_api.models.list().data}
+    assert set(cards) == {model, *ADAPTER_SPECS}
+    assert all(cards[name].model_extra["parent"] == model for name in ADAPTER_SPECS)
+    jobs = [(name or model, i) for name in ("", *ADAPTER_SPECS) for i in range(len(prompts))] * 2  # 24 at once
+
+    def complete(job):
+        served, i = job
+        answer = lora_api.completions.create(model=served, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
+        return answer.model, answer.choices[0].text
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(complete, jobs))
+    for (served, i), (named, text) in zip(jobs, answers):
+        name = "" if served == model else served
+        assert named == served and text == tokenizer.decode(reference[name][i]), (served, i)
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        lora_api.completions.create(model="nobody", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.server
+def test_the_ensemble_takes_lora_name_and_refuses_an_unknown_one(peft_run, lora_server, tokenizer):
+    from scripts.clients.llm_client import GenerateClient
+
+    _, prompts, reference = peft_run
+    client = GenerateClient(f"127.0.0.1:{lora_server.http}")
+    text = tokenizer.tokenizer.decode(prompts[2])
+    answer = client.complete({"text_input": text, "max_tokens": MAX_TOKENS, "lora_name": "chat"})
+    assert answer.text == tokenizer.decode(reference["chat"][2])
+    with pytest.raises(Exception, match="LoRA adapter 'nobody' is not loaded"):
+        client.complete({"text_input": text, "max_tokens": 2, "lora_name": "nobody"})
+
+
+LONG = 300  # tokens: seconds of decoding on a CPU, while the adapter is unloaded
+
+
+@pytest.mark.server
+def test_adapters_load_and_unload_while_serving_and_a_running_request_keeps_its_adapter(peft_run, lora_server, lora_api,
+                                                                                      tmp_path, rng, tokenizer,
+                                                                                      settings):
+    import threading
+
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    folder, prompts, reference = peft_run
+    base_url = str(lora_api.base_url).rstrip("/")
+
+    def post(route, body) -> tuple[int, str]:
+        request = urllib.request.Request(f"{base_url}/{route}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    status, text = post("load_lora_adapter", {"lora_name": "sql2", "lora_path": str(folder / "sql")})
+    assert status == 200, text
+    assert "sql2" in {card.id for card in lora_api.models.list().data}
+    i = next(i for i, answer in enumerate(reference["sql"]) if answer != reference[""][i])  # sql's own answer
+    answer = lora_api.completions.create(model="sql2", prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.choices[0].text == tokenizer.decode(reference["sql"][i])
+    # a long request with sql2 (its end tokens banned), unloaded while the engine runs it: it ends with every token
+    # it asked for, computed with sql2 to the end (its first tokens are sql's)
+    long = {}
+    thread = threading.Thread(target=lambda: long.update(answer=lora_api.completions.create(
+        model="sql2", prompt=prompts[i], max_tokens=LONG, temperature=0,
+        logit_bias={str(eos): -100 for eos in settings["eos_token_ids"]})))
+    thread.start()
+    wait_for(lambda: metrics(lora_server)["llm_running_sequences"] == 1, 120, message="the long request running")
+    status, text = post("unload_lora_adapter", {"lora_name": "sql2"})
+    assert status == 200, text
+    assert metrics(lora_server)["llm_running_sequences"] == 1, "the long request ended before the unload"
+    thread.join(300)
+    done = long["answer"]
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == LONG
+    # (banning the end token changes no token chosen before PEFT's answer ended)
+    assert done.choices[0].text.startswith(tokenizer.decode(reference["sql"][i]))
+    with pytest.raises(openai.NotFoundError):
+        lora_api.completions.create(model="sql2", prompt="hi", max_tokens=2)
+    assert post("unload_lora_adapter", {"lora_name": "sql2"})[0] == 404
+    # a folder that does not fit the base: refused, naming what
+    write_peft(tmp_path / "tiny", rng, 2, ("q_proj",))
+    status, text = post("load_lora_adapter", {"lora_name": "tiny", "lora_path": str(tmp_path / "tiny")})
+    assert status == 400 and "this base model needs" in json.loads(text)["error"]["message"], text
+    assert "tiny" not in {card.id for card in lora_api.models.list().data}

@@ -37,6 +37,7 @@ class RuntimeSettings:
     trt_cache_dir: str = "build/tensorrt-ep-cache"
     allow_cpu_fallback: bool = False
     intra_op_threads: int = 0
+    adapters: bool = False  # LoRA: the variant's adapter graph (python_backend/serving/llm_adapters.py turns it on)
 
     def __post_init__(self):
         if self.runtime not in RUNTIMES:
@@ -85,7 +86,12 @@ def _open(settings: RuntimeSettings, model_dir: Path, limits: ServingLimits, pro
     from python_backend.runtime.onnx_slot_decoder import is_fused_graph
 
     if onnx_path.is_file() and is_fused_graph(onnx_path):
+        if settings.adapters:
+            onnx_path = _adapter_graph(model_dir)
         return _fused(settings, onnx_path, limits, project_root)
+    if settings.adapters:
+        raise ValueError(f"LoRA adapters need a variant's folder (the fused graph and its adapter graph: `make "
+                         f"variants`); {model_dir} is the export's own graph")
     if settings.runtime == "onnxruntime":
         from python_backend.runtime.onnx_decoder import OnnxDecoder
         from python_backend.runtime.onnx_device_decoder import OnnxDeviceDecoder
@@ -119,6 +125,16 @@ def _fused(settings: RuntimeSettings, onnx_path: Path, limits: ServingLimits, pr
         return OnnxSlotDecoder(onnx_path, settings.intra_op_threads)
     tensors = cuda_tensors(settings.runtime, settings.device_id)  # onnxruntime-cuda
     return OnnxSlotDeviceDecoder(_gpu_session(settings, onnx_path, tensors, limits, project_root), tensors)
+
+
+def _adapter_graph(model_dir: Path) -> Path:
+    from python_backend.model_files import ADAPTER_ONNX_FILE
+
+    path = model_dir / ADAPTER_ONNX_FILE
+    if not path.is_file():
+        raise ValueError(f"LoRA adapters need {path}, the variant's adapter graph: build the variant again (`make "
+                         "variants`; variants built before adapters existed lack it)")
+    return path
 
 
 def cpu_decoder(onnx_path: Path, intra_op_threads: int = 0):

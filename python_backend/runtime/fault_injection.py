@@ -24,6 +24,7 @@ class FaultyDecoder:
         self.cache_shape, self.vocab_size, self.tensors = decoder.cache_shape, decoder.vocab_size, decoder.tensors
         self.kv_layout = getattr(decoder, "kv_layout", "padded")
         self.scores_prompts = getattr(decoder, "scores_prompts", False)
+        self.lora_targets = getattr(decoder, "lora_targets", {})
         self.prefill_tokens: list[int] = []  # real prompt tokens of each prefill call
 
     def empty_cache(self, batch_size: int):

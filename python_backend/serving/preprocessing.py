@@ -78,6 +78,9 @@ class Preprocessor:
             llm_inputs["cache_salt"] = np.asarray([salt.encode("utf-8")], np.object_)
         if get("priority") is not None:
             llm_inputs["priority"] = np.asarray([priority(get)], np.int32)
+        lora_name = scalar(get, "lora_name")  # known to the llm model, which says so when it is not
+        if lora_name:
+            llm_inputs["lora_name"] = np.asarray([lora_name.encode("utf-8")], np.object_)
         for name in GUIDE_INPUTS:  # checked and compiled by the llm model, which has the grammar engine
             value = scalar(get, name)
             if value is not None:

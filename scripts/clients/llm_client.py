@@ -43,6 +43,7 @@ INPUT_TYPES = {
     "num_top_log_probs": ("INT32", np.int32),
     "return_prompt_log_probs": ("BOOL", np.bool_),
     "cache_salt": ("BYTES", np.object_),
+    "lora_name": ("BYTES", np.object_),
     "guided_decoding_guide_type": ("BYTES", np.object_),
     "guided_decoding_guide": ("BYTES", np.object_),
     "priority": ("INT32", np.int32),

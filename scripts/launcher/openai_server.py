@@ -19,6 +19,8 @@ from pathlib import Path
 import uvicorn
 
 from openai_api.auth import KEYS_ENV, keys_from_environment
+from python_backend.lora import parse_modules
+from python_backend.serving.llm_adapters import LORA_MODULES_ENV
 from openai_api.batch.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, BatchConfig
 from scripts.launcher.processes import Ports, terminate
 from scripts.paths import PROJECT_ROOT, default_model_dir
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-concurrency", type=int, default=BatchConfig.concurrency,
                         help="batch lines in flight (default: the llm model's max_batch_size 32 minus its "
                              "priority_reserved_slots 2)")
+    parser.add_argument("--lora-modules", default=os.environ.get(LORA_MODULES_ENV, ""),
+                        help="name=path,... : the LoRA adapters the llm model loads at start, served as models "
+                             f"(default: ${LORA_MODULES_ENV}, which `make serve LORA_MODULES=...` sets)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(ServiceConfig(triton_url=args.triton_url, model_dir=args.model_dir,
                                    served_model_name=args.served_model_name, health_url=args.health_url,
                                    default_max_tokens=args.default_max_tokens, api_keys=keys,
+                                   lora_modules=tuple(parse_modules(args.lora_modules).items()),
                                    batch=BatchConfig(data_dir=data_dir, concurrency=args.batch_concurrency)))
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"WARNING: the OpenAI API listens on {args.host} without API keys: anyone who reaches the port can use "

@@ -321,6 +321,9 @@ def copy_model_files(source: Path, output: Path, recipe: Recipe, graph: str = FU
     settings["quantization"] = recipe.name
     settings["quantization_recipe"] = asdict(recipe)
     settings["graph"] = graph
+    if graph == FUSED:  # the projections' shapes, against which a LoRA adapter is checked (python_backend/lora.py)
+        config = json.loads((source_weights(source) / "config.json").read_text())
+        settings["lora_base"] = BaseShapes.from_config(config).to_json()
     window = fused_graph.unwindowed_limit(source_weights(source)) if graph == FUSED else None
     if window is not None and window < settings["max_position_embeddings"]:
         # The engine caps prompt + max_tokens at this: no sequence outgrows the window the fused graph leaves out.

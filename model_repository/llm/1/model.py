@@ -6,6 +6,7 @@ with ``cancel: true`` and a ``request_key`` cancels the running request with tha
 when its client goes away: Triton does not pass cancellation into composed models)."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.factory import RuntimeSettings, open_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
+from python_backend.serving.llm_adapters import LoraSettings, adapter_for, adapter_request, apply_control, open_store
 from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, prompt_score_arrays, sequence_from_inputs
 from python_backend.serving.request_inputs import scalar
 from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
@@ -37,10 +39,15 @@ class TritonPythonModel:
         max_context_length = min(int(params["max_context_length"]), self.settings.max_position_embeddings)
         # KIND_GPU instances get their device from Triton; KIND_CPU ones use device 0 if their runtime wants a GPU.
         device_id = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
+        self.lora = LoraSettings.from_parameters(params)
+        project_root = Path(args["model_repository"]).resolve().parent.parent
         decoder = open_decoder(
-            RuntimeSettings.from_parameters(params, device_id), model_dir,
+            replace(RuntimeSettings.from_parameters(params, device_id), adapters=self.lora.enabled), model_dir,
             ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length),
-            project_root=Path(args["model_repository"]).resolve().parent.parent)
+            project_root=project_root)
+        if self.lora.enabled:
+            print(f"[llm] LoRA: up to {self.lora.max_loras} adapters resident, rank <= {self.lora.max_rank}; named: "
+                  f"{', '.join(self.lora.modules) or 'none'}", file=sys.stderr, flush=True)
         print(f"[llm] {args['model_instance_name']}: {type(decoder).__name__}, KV cache on {decoder.tensors.device}",
               file=sys.stderr, flush=True)
         decoder = maybe_faulty(decoder)
@@ -51,6 +58,7 @@ class TritonPythonModel:
             max_stop_sequence_tokens=int(params["max_stop_sequence_tokens"]),
             max_guide_bytes=int(params.get("max_guide_bytes") or 65536),
         )
+        self.adapters = open_store(self.lora, model_dir, project_root)
         self.guides = GuideCompiler.for_model(model_dir, self.settings.eos_token_ids, decoder.vocab_size,
                                               cache_size=int(params.get("guide_cache_size") or 256))
         config = SchedulerConfig.from_parameters(params, max_batch_size, decoder.cache_shape.bytes_per_token(),
@@ -80,7 +88,13 @@ class TritonPythonModel:
                     self.engine.cancel(key)
                     sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
                     continue
+                lora = adapter_request(get)
+                if lora.is_control:  # a load or an unload: answered once it is done
+                    apply_control(lora, self.adapters)
+                    sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
+                    continue
                 seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.limits)
+                seq.adapter = adapter_for(lora, self.adapters)
                 guide = guide_from_inputs(get, self.limits)
                 if key is not None:
                     seq.key = key
