@@ -31,7 +31,7 @@ comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-gguf benchmark-prefix benchmark-structured benchmark-batch benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-gguf benchmark-prefix benchmark-structured benchmark-batch benchmark-lora benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
@@ -125,6 +125,11 @@ batch: model
 ifeq ($(origin OPENAI_API_KEY),command line)
 serve: export TRITON_LLM_API_KEYS := $(OPENAI_API_KEY)
 endif
+# LoRA adapters' cost through the engine: 32 requests over 4 adapters and the base against the base alone, and one
+# adapter's stream against the base's (what it costs merged), on QUANT's folder (~1 min).
+benchmark-lora: model
+	$(PY) -m scripts.bench.lora_benchmark --model-dir $(MODEL_DIR)
+
 # LoRA adapters: `make serve LORA_MODULES=name=path,...` (PEFT folders; vLLM's --lora-modules form), each then a model
 # of the OpenAI API; the llm model and the API read them from the environment.
 ifneq ($(LORA_MODULES),)

@@ -162,6 +162,45 @@ def test_a_folder_that_does_not_fit_the_base_is_refused_naming_what(tmp_path, rn
         read_peft(tmp_path / "nowhere", "nowhere", BASE)
 
 
+def test_the_store_keeps_max_loras_resident_reads_dropped_ones_again_and_refuses_what_it_cannot_keep(tmp_path, rng):
+    from python_backend.lora import AdapterStore, UnknownAdapterError
+
+    for name in "abc":
+        write_peft(tmp_path / name, rng, 2, ("q_proj",))
+    store = AdapterStore(BASE, max_loras=2)
+    a = store.load("a", tmp_path / "a")
+    assert store.load("a", tmp_path / "a") is a  # the same folder again: nothing new
+    with pytest.raises(AdapterError, match="already loaded from"):
+        store.load("a", tmp_path / "b")
+    store.load("b", tmp_path / "b")
+    store.get("a")  # a used last: b is the least recently used
+    store.load("c", tmp_path / "c")
+    assert store.names() == ["a", "b", "c"] and store.resident_bytes() == 2 * a.nbytes()
+    assert store.get("a") is a  # still resident
+    again = store.get("b")  # dropped, read again: the same registration, the same prefix-cache key
+    assert again is not None and again.key == store.load("b", tmp_path / "b").key
+    store.unload("b")
+    with pytest.raises(UnknownAdapterError, match=r"'b' is not loaded \(loaded: a, c\)"):
+        store.get("b")
+    with pytest.raises(UnknownAdapterError):
+        store.unload("b")
+    with pytest.raises(AdapterError, match="none of , = or newline"):
+        store.load("x,y", tmp_path / "a")
+
+
+def test_lora_settings_come_from_the_config_and_the_environment():
+    from python_backend.lora import parse_modules
+    from python_backend.serving.llm_adapters import DEFAULT_MAX_LORAS, LORA_MODULES_ENV, LoraSettings
+
+    assert not LoraSettings.from_parameters({}, environ={}).enabled
+    assert LoraSettings.from_parameters({"max_loras": "2"}, environ={}).enabled
+    named = LoraSettings.from_parameters({"lora_modules": "a=/x"}, environ={LORA_MODULES_ENV: "b=rel/y, c=/z"})
+    assert named.modules == {"a": "/x", "b": "rel/y", "c": "/z"} and named.max_loras == DEFAULT_MAX_LORAS
+    assert parse_modules("") == {}
+    with pytest.raises(ValueError, match="expected name=path"):
+        LoraSettings.from_parameters({"lora_modules": "a"}, environ={})
+
+
 # --- the served model with PEFT's own adapters, in the engine ---
 
 EVAL_PYTHON = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
@@ -170,32 +209,41 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def peft_run(settings, kv_prompts, tmp_path_factory):
+def peft_run(settings, kv_prompts):
     """Adapters made with PEFT on the served model's weights (random B: the answers change) and PEFT's greedy tokens
-    for four chat prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv)."""
+    for four chat prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv). Kept under
+    build/ by a digest of what makes them (the script, the base's config, the prompts, the specs): made once."""
+    import hashlib
+
     if not EVAL_PYTHON.exists():
         pytest.skip(f"{EVAL_PYTHON} is missing (PEFT lives in the eval venv): make eval-venv")
-    folder = tmp_path_factory.mktemp("peft")
     prompts = kv_prompts[:4]
-    (folder / "prompts.json").write_text(json.dumps(prompts))
-    command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--base", settings["hf_dir"], "--output",
-               str(folder), "--prompts", str(folder / "prompts.json"), "--max-tokens", str(MAX_TOKENS),
-               "--eos", ",".join(map(str, settings["eos_token_ids"]))]
-    for name, spec in ADAPTER_SPECS.items():
-        command += ["--adapter", f"{name}:{spec}"]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    script = PROJECT_ROOT / "scripts" / "eval" / "peft_reference.py"
+    made_of = [script.read_text(), (Path(settings["hf_dir"]) / "config.json").read_text(), json.dumps(prompts),
+               json.dumps(ADAPTER_SPECS), str(MAX_TOKENS), json.dumps(settings["eos_token_ids"])]
+    folder = PROJECT_ROOT / "build" / "peft-reference" / hashlib.sha256("\0".join(made_of).encode()).hexdigest()[:16]
+    if not (folder / "reference.json").is_file():
+        (folder / "prompts.json").parent.mkdir(parents=True, exist_ok=True)
+        (folder / "prompts.json").write_text(json.dumps(prompts))
+        command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--base", settings["hf_dir"], "--output",
+                   str(folder), "--prompts", str(folder / "prompts.json"), "--max-tokens", str(MAX_TOKENS),
+                   "--eos", ",".join(map(str, settings["eos_token_ids"]))]
+        for name, spec in ADAPTER_SPECS.items():
+            command += ["--adapter", f"{name}:{spec}"]
+        done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def lora_decoder(model_dir, settings):
-    """The fp32 variant's adapter graph on the CPU."""
+@pytest.fixture(scope="module", params=["fp32", "int4"])
+def lora_decoder(request, model_dir, settings):
+    """A variant's adapter graph on the CPU: fp32, and int4 (exact for the default model: its 4-bit base products
+    give back the GGUF's weights, and the adapters' deltas are fp32)."""
     from python_backend.model_files import ADAPTER_ONNX_FILE
     from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
     from tests.helpers import variant_folder
 
-    decoder = OnnxSlotDecoder(variant_folder(model_dir, "fp32") / ADAPTER_ONNX_FILE)
+    decoder = OnnxSlotDecoder(variant_folder(model_dir, request.param) / ADAPTER_ONNX_FILE)
     config = json.loads((Path(settings["hf_dir"]) / "config.json").read_text())
     assert len(decoder.lora_targets) == 5 * config["num_hidden_layers"]
     return decoder
