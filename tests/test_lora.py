@@ -172,13 +172,13 @@ def test_the_store_keeps_max_loras_resident_reads_dropped_ones_again_and_refuses
     assert store.load("a", tmp_path / "a") is a  # the same folder again: nothing new
     with pytest.raises(AdapterError, match="already loaded from"):
         store.load("a", tmp_path / "b")
-    store.load("b", tmp_path / "b")
+    b = store.load("b", tmp_path / "b")
     store.get("a")  # a used last: b is the least recently used
-    store.load("c", tmp_path / "c")
+    c = store.load("c", tmp_path / "c")
     assert store.names() == ["a", "b", "c"] and store.resident_bytes() == 2 * a.nbytes()
-    assert store.get("a") is a  # still resident
+    assert store.get("c") is c and store.get("a") is a  # both still resident
     again = store.get("b")  # dropped, read again: the same registration, the same prefix-cache key
-    assert again is not None and again.key == store.load("b", tmp_path / "b").key
+    assert again is not b and again.key == b.key
     store.unload("b")
     with pytest.raises(UnknownAdapterError, match=r"'b' is not loaded \(loaded: a, c\)"):
         store.get("b")
