@@ -437,3 +437,33 @@ def test_adapters_load_and_unload_while_serving_and_a_running_request_keeps_its_
     status, text = post("load_lora_adapter", {"lora_name": "tiny", "lora_path": str(tmp_path / "tiny")})
     assert status == 400 and "this base model needs" in json.loads(text)["error"]["message"], text
     assert "tiny" not in {card.id for card in lora_api.models.list().data}
+
+
+@pytest.mark.server
+def test_a_batch_file_names_an_adapter_per_line(peft_run, lora_api, model, tokenizer):
+    _, prompts, reference = peft_run
+    names = ["", *ADAPTER_SPECS, "nobody"]
+    lines = [{"custom_id": f"{name or 'base'}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": name or model, "prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0}}
+             for name in names for i in range(len(prompts))]
+    uploaded = lora_api.files.create(file=("lines.jsonl", "\n".join(map(json.dumps, lines)).encode()),
+                                     purpose="batch")
+    batch = lora_api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    ended = ("completed", "failed", "cancelled", "expired")
+    wait_for(lambda: lora_api.batches.retrieve(batch.id).status in ended, 600, 0.2, "the batch did not end")
+    batch = lora_api.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    results = {}
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id:
+            for raw in lora_api.files.content(file_id).text.splitlines():
+                record = json.loads(raw)
+                results[record["custom_id"]] = record["response"]
+    for name in names:
+        for i in range(len(prompts)):
+            response = results[f"{name or 'base'}-{i}"]
+            if name == "nobody":
+                assert response["status_code"] == 404, response
+            else:
+                assert response["body"]["model"] == (name or model)
+                assert response["body"]["choices"][0]["text"] == tokenizer.decode(reference[name][i]), (name, i)

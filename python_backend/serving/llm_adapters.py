@@ -87,8 +87,9 @@ def adapter_request(get: TensorGetter) -> AdapterRequest:
     return AdapterRequest(name or None, load_path, unload)
 
 
-def apply_control(request: AdapterRequest, store: AdapterStore | None) -> None:
-    """Loads or unloads an adapter; refusals are InvalidRequestErrors naming what is wrong."""
+def apply_control(request: AdapterRequest, store: AdapterStore | None, project_root: Path) -> None:
+    """Loads or unloads an adapter (a relative folder is the project root's, as at start); refusals are
+    InvalidRequestErrors naming what is wrong."""
     try:
         if store is None:
             raise AdapterError("this server serves no LoRA adapters: start it with max_loras above 0 or "
@@ -96,7 +97,8 @@ def apply_control(request: AdapterRequest, store: AdapterStore | None) -> None:
         if request.unload:
             store.unload(request.name)
         else:
-            store.load(request.name, request.load_path)
+            folder = Path(request.load_path)
+            store.load(request.name, folder if folder.is_absolute() else project_root / folder)
     except AdapterError as error:
         raise InvalidRequestError(str(error)) from None
 

@@ -40,7 +40,7 @@ class TritonPythonModel:
         # KIND_GPU instances get their device from Triton; KIND_CPU ones use device 0 if their runtime wants a GPU.
         device_id = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
         self.lora = LoraSettings.from_parameters(params)
-        project_root = Path(args["model_repository"]).resolve().parent.parent
+        self.project_root = project_root = Path(args["model_repository"]).resolve().parent.parent
         decoder = open_decoder(
             replace(RuntimeSettings.from_parameters(params, device_id), adapters=self.lora.enabled), model_dir,
             ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length),
@@ -90,7 +90,7 @@ class TritonPythonModel:
                     continue
                 lora = adapter_request(get)
                 if lora.is_control:  # a load or an unload: answered once it is done
-                    apply_control(lora, self.adapters)
+                    apply_control(lora, self.adapters, self.project_root)
                     sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
                     continue
                 seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.limits)
