@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from python_backend.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
 from scripts.paths import PROJECT_ROOT
 from scripts.prepare.lora_graph import add_adapter_inputs
-from tests.helpers import metrics, wait_for
+from tests.helpers import metric_samples, metrics, wait_for, wait_idle
 
 CONFIG = {"hidden_size": 8, "num_attention_heads": 2, "head_dim": 4, "num_key_value_heads": 1,
           "intermediate_size": 12, "num_hidden_layers": 2}
@@ -341,9 +341,15 @@ def lora_api(lora_server, model_dir, lora_modules, tmp_path_factory):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+def adapter_counts(server) -> dict[tuple[str, str], float]:
+    """(metric, adapter) -> value of the llm model's per-adapter counters."""
+    return {(sample.name, sample.labels["adapter"]): sample.value for sample in metric_samples(server)
+            if sample.name in ("llm_lora_output_tokens_total", "llm_lora_requests_total")}
+
+
 @pytest.mark.server
-def test_the_openai_api_serves_each_adapter_as_a_model_mixed_with_the_base_as_peft_answers(peft_run, lora_api, model,
-                                                                                          tokenizer):
+def test_the_openai_api_serves_each_adapter_as_a_model_mixed_with_the_base_as_peft_answers(peft_run, lora_server,
+                                                                                          lora_api, model, tokenizer):
     from concurrent.futures import ThreadPoolExecutor
 
     _, prompts, reference = peft_run
@@ -355,13 +361,22 @@ def test_the_openai_api_serves_each_adapter_as_a_model_mixed_with_the_base_as_pe
     def complete(job):
         served, i = job
         answer = lora_api.completions.create(model=served, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
-        return answer.model, answer.choices[0].text
+        return answer.model, answer.choices[0].text, answer.usage.completion_tokens
 
+    wait_idle(lora_server)
+    before = adapter_counts(lora_server)
     with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(complete, jobs))
-    for (served, i), (named, text) in zip(jobs, answers):
+    for (served, i), (named, text, _) in zip(jobs, answers):
         name = "" if served == model else served
         assert named == served and text == tokenizer.decode(reference[name][i]), (served, i)
+    wait_idle(lora_server)
+    after = adapter_counts(lora_server)
+    for name in ADAPTER_SPECS:  # each adapter's own requests and tokens, counted apart from the base's
+        tokens = sum(count for (served, _), (_, _, count) in zip(jobs, answers) if served == name)
+        assert after[("llm_lora_output_tokens_total", name)] - before.get(("llm_lora_output_tokens_total", name), 0) \
+            == tokens
+        assert after[("llm_lora_requests_total", name)] - before.get(("llm_lora_requests_total", name), 0) == 8
     import openai
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):

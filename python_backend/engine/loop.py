@@ -42,6 +42,9 @@ class EngineObserver:
     def on_prefix_lookup(self, queried: int, hits: int, evicted_blocks: int) -> None:
         """Prefix caching: prompt tokens looked up, found in the cache, and blocks evicted, since the last call."""
 
+    def on_adapter_tokens(self, adapter: str, count: int, finished: bool) -> None:
+        """LoRA: count tokens handed out to a sequence of this adapter, and whether the sequence ended."""
+
     def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         pass
 
@@ -80,6 +83,8 @@ def send_tokens(observer: EngineObserver, seq: Sequence, new: list[int], finishe
                 ttft, itl = None, (now - seq.last_token_at) / len(new)
             seq.last_token_at = now
             observer.on_tokens(len(new), ttft, itl)
+        if seq.adapter is not None and (new or finished):
+            observer.on_adapter_tokens(seq.adapter.name, len(new), finished)
 
 
 class Engine:

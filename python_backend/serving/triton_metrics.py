@@ -16,6 +16,15 @@ class TritonMetricsObserver(EngineObserver):
         family = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
         self._unreported_tokens = 0
+        self._labels = labels
+        # LoRA: tokens and finished requests per adapter, one labelled metric each, made when the adapter first runs
+        self._adapter_families = (
+            family(name="llm_lora_output_tokens_total", description="Tokens generated, per LoRA adapter",
+                   kind=family.COUNTER),
+            family(name="llm_lora_requests_total", description="Requests finished, per LoRA adapter",
+                   kind=family.COUNTER))
+        self._adapter_metrics: dict[str, tuple] = {}
+        self._unreported_adapters: dict[str, list[int]] = {}  # adapter -> [tokens, requests], sent with the state
 
         def make(name, description, kind, buckets=None):
             metric_family = family(name=name, description=description, kind=kind)
@@ -84,10 +93,23 @@ class TritonMetricsObserver(EngineObserver):
         if evicted_blocks:
             self.prefix_evicted.increment(evicted_blocks)
 
+    def on_adapter_tokens(self, adapter: str, count: int, finished: bool) -> None:
+        pending = self._unreported_adapters.setdefault(adapter, [0, 0])
+        pending[0] += count
+        pending[1] += finished
+
     def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         if self._unreported_tokens:
             self.tokens.increment(self._unreported_tokens)
             self._unreported_tokens = 0
+        for adapter, counts in self._unreported_adapters.items():
+            if adapter not in self._adapter_metrics:
+                self._adapter_metrics[adapter] = tuple(f.Metric(labels={**self._labels, "adapter": adapter})
+                                                       for f in self._adapter_families)
+            for metric, count in zip(self._adapter_metrics[adapter], counts):
+                if count:
+                    metric.increment(count)
+        self._unreported_adapters.clear()
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_bytes.set(kv_bytes)
