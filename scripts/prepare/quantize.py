@@ -259,10 +259,20 @@ def build_variant(source: Path, output: Path, recipe: Recipe, graph: str = FUSED
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
     stats["model_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.iterdir())
-    if graph == FUSED:  # LoRA adapters per row: the same graph with adapter inputs, on the same weights file
-        config = json.loads((source_weights(source) / "config.json").read_text())
-        lora_graph.write_adapter_graph(output, BaseShapes.from_config(config))
+    shapes = lora_shapes(source) if graph == FUSED else None
+    if shapes is not None:  # LoRA adapters per row: the same graph with adapter inputs, on the same weights file
+        lora_graph.write_adapter_graph(output, shapes)
     return stats
+
+
+def lora_shapes(source: Path) -> BaseShapes | None:
+    """The projections' shapes a LoRA adapter is checked against, from the source's config (None, said, when the
+    config does not name them: the variant then serves no adapters)."""
+    try:
+        return BaseShapes.from_config(json.loads((source_weights(source) / "config.json").read_text()))
+    except KeyError as missing:
+        log(f"no LoRA adapters for {source}: its config names no {missing}")
+        return None
 
 
 def variant_graph(source: Path, recipe: Recipe) -> tuple[str, str]:
@@ -321,9 +331,9 @@ def copy_model_files(source: Path, output: Path, recipe: Recipe, graph: str = FU
     settings["quantization"] = recipe.name
     settings["quantization_recipe"] = asdict(recipe)
     settings["graph"] = graph
-    if graph == FUSED:  # the projections' shapes, against which a LoRA adapter is checked (python_backend/lora.py)
-        config = json.loads((source_weights(source) / "config.json").read_text())
-        settings["lora_base"] = BaseShapes.from_config(config).to_json()
+    shapes = lora_shapes(source) if graph == FUSED else None
+    if shapes is not None:  # what a LoRA adapter is checked against (python_backend/lora.py)
+        settings["lora_base"] = shapes.to_json()
     window = fused_graph.unwindowed_limit(source_weights(source)) if graph == FUSED else None
     if window is not None and window < settings["max_position_embeddings"]:
         # The engine caps prompt + max_tokens at this: no sequence outgrows the window the fused graph leaves out.
