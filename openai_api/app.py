@@ -293,10 +293,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         body = parse_adapter_request(LoadLoraAdapterRequest, await read_body(request))
         if body.lora_name == service.model:
             raise InvalidRequest(f"{body.lora_name!r} is the base model's name", param="lora_name")
-        known = service.adapters.get(body.lora_name)
-        if known is not None and known != body.lora_path:
-            raise InvalidRequest(f"The lora adapter '{body.lora_name}' has already been loaded (from {known})",
-                                 param="lora_name")
+        # (another folder under a loaded name: the llm model's store refuses it, comparing the folders resolved)
         await service.backend.control_adapter(body.lora_name, path=body.lora_path)
         service.adapters[body.lora_name] = body.lora_path
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -106,7 +106,7 @@ class Adapter:
     widths: dict[str, int]
     matrices: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = field(repr=False)
     # This load of the adapter (a name loaded again with other weights is another adapter to the prefix cache).
-    key: str = field(default_factory=lambda: f"{secrets.token_hex(8)}")
+    key: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.matrices.values())
@@ -263,9 +263,12 @@ class AdapterStore:
                 if known[0] != folder:
                     raise AdapterError(f"adapter {name!r} is already loaded from {known[0]}: unload it first")
                 return self._get_locked(name)
-        adapter = read_peft(folder, name, self.base, self.max_rank)
+        adapter = read_peft(folder, name, self.base, self.max_rank)  # outside the lock: requests go on meanwhile
         with self._lock:
-            self._folders.setdefault(name, (folder, adapter.key))
+            known = self._folders.setdefault(name, (folder, adapter.key))
+            if known[0] != folder:  # another load of this name came first
+                raise AdapterError(f"adapter {name!r} is already loaded from {known[0]}: unload it first")
+            adapter.key = known[1]
             self._resident[name] = adapter
             self._trim_locked()
         return adapter

@@ -235,15 +235,9 @@ def export_tiny(source, output) -> None:
 
 def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_args) -> list[int]:
     """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
-    import torch
+    from scripts.eval.peft_reference import greedy_ids
 
-    eos = settings["eos_token_ids"]
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], **generate_args)
-    new = out[0, len(ids):].tolist()
-    stops = [i for i, t in enumerate(new) if t in eos]
-    return new[: stops[0]] if stops else new
+    return greedy_ids(hf_model, ids, max_tokens, settings["eos_token_ids"], **generate_args)
 
 
 def outputs_alone(decoder, sequences: list[Sequence]) -> list[list[int]]:

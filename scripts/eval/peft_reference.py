@@ -50,19 +50,21 @@ def make_adapter(base_dir: Path, spec: dict, output: Path, seed: int):
     return peft_model.eval()
 
 
-def greedy(model, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:
+def greedy_ids(model, ids: list[int], max_tokens: int, eos: list[int], **generate_args) -> list[int]:
+    """transformers' greedy generate() from these prompt ids (a PEFT model's too): the new token ids, up to the
+    first end token (tests/helpers.py's transformers reference is this)."""
     import torch
 
-    answers = []
     with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(input_ids=torch.tensor([ids]),
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0])
-            new = out[0, len(ids):].tolist()
-            stops = [i for i, t in enumerate(new) if t in eos]
-            answers.append(new[: stops[0]] if stops else new)
-    return answers
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], **generate_args)
+    new = out[0, len(ids):].tolist()
+    stops = [i for i, t in enumerate(new) if t in eos]
+    return new[: stops[0]] if stops else new
+
+
+def greedy(model, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:
+    return [greedy_ids(model, ids, max_tokens, eos) for ids in prompts]
 
 
 def main(argv: list[str] | None = None) -> int:
