@@ -11,8 +11,8 @@ its adapter or none: the step's distinct adapters side by side (joined once per 
 mask per projection kind selecting each row's own columns.
 
 Each variant on the fused graph holds an adapter graph (scripts/prepare/quantize.py); the slot cache
-(python_backend/engine/kv_slots.py) keeps each row's adapter and feeds these inputs at every call. Not served yet
-(issue 35).
+(python_backend/engine/kv_slots.py) keeps each row's adapter and feeds these inputs at every call; the llm model keeps an
+AdapterStore (python_backend/serving/llm_adapters.py).
 """
 
 from __future__ import annotations
@@ -179,6 +179,15 @@ def read_peft(folder: str | Path, name: str, base: BaseShapes, max_rank: int = 6
     return Adapter(name, widths, matrices)
 
 
+def adapter_bytes(base: BaseShapes, rank: int) -> int:
+    """The most bytes one adapter of this rank holds as read (every projection of every layer; fp32 A and B)."""
+    total = 0
+    for kind, modules in KINDS.items():
+        features_in, features_out = base.kind_shape(kind)
+        total += rank * len(modules) * (features_in + features_out) * np.dtype(np.float32).itemsize
+    return total * base.num_layers
+
+
 def graph_targets(inputs) -> dict[tuple[int, str], tuple[int, int]]:
     """(layer, kind) -> (in, out) of a graph's adapter inputs, from its inputs' (name, shape): A is [in, width] and B
     [width, out] (python_backend/runtime/onnx_slot_decoder.py reads them from its session)."""
@@ -223,6 +232,9 @@ class AdapterInputs:
         joined = {}
         for (layer, kind), (features_in, features_out) in self.targets.items():
             parts = [a.matrices[(layer, kind)] for a in active if kind in a.widths]
+            if len(parts) == 1:  # one adapter: its own matrices, no copy
+                joined[a_input(layer, kind)], joined[b_input(layer, kind)] = parts[0]
+                continue
             joined[a_input(layer, kind)] = np.ascontiguousarray(
                 np.concatenate([a for a, _ in parts], axis=1) if parts else np.zeros((features_in, 0), np.float32))
             joined[b_input(layer, kind)] = np.ascontiguousarray(

@@ -1,7 +1,8 @@
-"""LoRA adapters' first steps (issue 35; not served yet): PEFT folders read and checked against the base model, and the
-fused graph's per-row adapter inputs (scripts/prepare/lora_graph.py, python_backend/lora.py) on a small graph
-named as onnxruntime-genai's builder names its projections, run by onnxruntime: rows with different adapters and rows
-without one in the same call, each equal to PEFT's arithmetic on its own adapter."""
+"""LoRA adapters (issue 35): PEFT folders read and checked against the base model; the fused graph's per-row adapter
+inputs (scripts/prepare/lora_graph.py, python_backend/lora.py) on a small graph named as onnxruntime-genai's builder
+names its projections, rows with different adapters and rows without one in the same call, each equal to PEFT's
+arithmetic on its own adapter; the served model's variants with PEFT's own adapters in the engine, token-exact against
+PEFT; and served: the ensemble, the OpenAI API, loads and unloads while serving, batch files, metrics, the KV budget."""
 
 from __future__ import annotations
 
@@ -201,6 +202,28 @@ def test_lora_settings_come_from_the_config_and_the_environment():
         LoraSettings.from_parameters({"lora_modules": "a"}, environ={})
 
 
+def test_adapters_memory_is_kept_from_the_kv_budget(tmp_path, rng):
+    from python_backend.engine.scheduler import SchedulerConfig
+    from python_backend.lora import adapter_bytes
+    from python_backend.serving.llm_adapters import LoraSettings
+
+    write_peft(tmp_path / "all", rng, 4, ATTN + MLP)  # every projection of both layers: the most rank 4 holds
+    assert adapter_bytes(BASE, 4) == read_peft(tmp_path / "all", "all", BASE).nbytes()
+    settings = LoraSettings(max_loras=3, max_rank=4)
+    assert settings.reserved_bytes(BASE) == 2 * 3 * adapter_bytes(BASE, 4)  # resident, and a step's joined copy
+    assert LoraSettings(max_loras=0).reserved_bytes(BASE) == 0
+    params = {"kv_cache_budget_mb": "1", "batching_strategy": "continuous", "max_queue_size": "8",
+              "max_prefill_tokens": "64", "static_timeout_ms": "10"}
+    whole = SchedulerConfig.from_parameters(params, 4, 64, "slots", max_context_length=128)
+    less = SchedulerConfig.from_parameters(params, 4, 64, "slots", max_context_length=128,
+                                           reserved_bytes=settings.reserved_bytes(BASE), max_adapters_per_step=3)
+    assert whole.kv_budget_tokens == 2**20 // 64
+    assert less.kv_budget_tokens == (2**20 - settings.reserved_bytes(BASE)) // 64 and less.max_adapters_per_step == 3
+    with pytest.raises(ValueError, match="leave less than one sequence's KV cache"):
+        SchedulerConfig.from_parameters(params, 4, 64, "slots", max_context_length=128,
+                                        reserved_bytes=2**20 - 64 * 127)
+
+
 # --- the served model with PEFT's own adapters, in the engine ---
 
 EVAL_PYTHON = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
@@ -311,6 +334,33 @@ def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run,
     assert lora_core.prefix.hit_tokens == hits
 
 
+def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait_their_turn(peft_run, lora_decoder,
+                                                                                           settings):
+    from python_backend.engine.core import EngineCore
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.scheduler import SchedulerConfig
+    from python_backend.engine.sequence import Sequence
+
+    folder, prompts, reference = peft_run
+    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
+    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}
+    core = EngineCore(lora_decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots", max_context_length=512,
+                                                    kv_budget_tokens=16384, max_adapters_per_step=1))
+    order = [("sql", 0), ("chat", 1), ("", 2), ("sql", 3)]
+    seqs = [Sequence(prompt_ids=list(prompts[i]), params=SamplingParams(
+        max_tokens=MAX_TOKENS, end_ids=tuple(settings["eos_token_ids"])), adapter=adapters.get(name))
+        for name, i in order]
+    for seq in seqs:
+        core.add(seq)
+    in_step = []
+    while core.step().progressed:
+        in_step.append({s.adapter.name for s in core.running + core.prefilling if s.adapter is not None})
+        if len(in_step) == 1:  # the base's request went ahead; the sql one behind chat's waits (no starving)
+            assert seqs[2] in core.running + core.prefilling and list(core.waiting) == [seqs[1], seqs[3]]
+    assert max(len(names) for names in in_step) == 1 and {"sql"} in in_step and {"chat"} in in_step
+    assert [seq.output_ids for seq in seqs] == [reference[name][i] for name, i in order]
+
+
 # --- served: the llm model with adapters named at start, the ensemble and the OpenAI API ---
 
 @pytest.fixture(scope="module")
@@ -382,6 +432,19 @@ def test_the_openai_api_serves_each_adapter_as_a_model_mixed_with_the_base_as_pe
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         lora_api.completions.create(model="nobody", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.server
+def test_the_served_kv_budget_is_what_the_adapters_leave_of_kv_cache_budget_mb(lora_server, settings):
+    from python_backend.lora import adapter_bytes
+    from python_backend.serving.llm_adapters import DEFAULT_MAX_LORAS
+
+    config = json.loads((Path(settings["hf_dir"]) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+    kept = 2 * DEFAULT_MAX_LORAS * adapter_bytes(BaseShapes.from_config(config), 64)  # the config's max_lora_rank
+    budget = metrics(lora_server, model="llm")["llm_kv_cache_budget_bytes"]
+    assert budget == (2048 * 2**20 - kept) // per_token * per_token
 
 
 @pytest.mark.server

@@ -59,6 +59,9 @@ class SchedulerConfig:
     static_batch_size: int = 8
     static_timeout_s: float = 0.5
     length_buckets: tuple[int, ...] = ()  # dynamic: prompt-length boundaries, e.g. (32, 128)
+    # LoRA: most distinct adapters in the running batch (0: no bound); a request with another one waits its turn,
+    # requests for the base behind it go ahead. Each adapter's matrices are joined into the step's inputs (python_backend/lora.py).
+    max_adapters_per_step: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -74,17 +77,24 @@ class SchedulerConfig:
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], max_batch_size: int, kv_bytes_per_token: int,
-                        kv_layout: str = "padded", max_context_length: int | None = None) -> "SchedulerConfig":
+                        kv_layout: str = "padded", max_context_length: int | None = None,
+                        reserved_bytes: int = 0, max_adapters_per_step: int = 0) -> "SchedulerConfig":
         """From the llm model's config.pbtxt parameters. The KV budget bounds the real peak of cache memory: for
-        the padded cache, twice the cache (kv_batch.KV_PEAK_FACTOR); for slots written in place, the rows' tokens."""
-        budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20)
+        the padded cache, twice the cache (kv_batch.KV_PEAK_FACTOR); for slots written in place, the rows' tokens.
+        ``reserved_bytes`` of kv_cache_budget_mb go to something else (LoRA adapters: llm_adapters.py)."""
+        budget_bytes = int(float(params["kv_cache_budget_mb"]) * 2**20) - reserved_bytes
+        max_context_length = max_context_length or int(params.get("max_context_length") or 0) or None
+        if reserved_bytes and budget_bytes < (max_context_length or 1) * kv_bytes_per_token:
+            raise ValueError(f"kv_cache_budget_mb {params['kv_cache_budget_mb']}: the LoRA adapters' "
+                             f"{reserved_bytes / 2**20:.0f} MiB (max_loras x max_lora_rank) leave less than one "
+                             "sequence's KV cache: raise the budget or lower max_loras or max_lora_rank")
         peak_factor = KV_LAYOUTS[kv_layout].kv_peak_factor
         return cls(
             strategy=params["batching_strategy"],
             max_batch_size=max_batch_size,
             kv_budget_tokens=budget_bytes // (peak_factor * kv_bytes_per_token),
             kv_layout=kv_layout,
-            max_context_length=max_context_length or int(params.get("max_context_length") or 0) or None,
+            max_context_length=max_context_length,
             enable_kv_cache_reuse=kv_layout == "slots" and flag(params.get("enable_kv_cache_reuse", "false"),
                                                                 "enable_kv_cache_reuse"),
             max_queue_size=int(params["max_queue_size"]),
@@ -97,6 +107,7 @@ class SchedulerConfig:
             static_batch_size=int(params.get("static_batch_size") or max_batch_size),
             static_timeout_s=float(params["static_timeout_ms"]) / 1000,
             length_buckets=tuple(int(b) for b in params.get("length_buckets", "").split(",") if b.strip()),
+            max_adapters_per_step=max_adapters_per_step,
         )
 
 
@@ -194,8 +205,15 @@ class Scheduler:
         taken: list[Sequence] = []
         prompt_tokens = background_taken = background_prompt_tokens = 0
         skipped: list[Sequence] = []
+        adapters = {s.adapter.key for s in running if s.adapter is not None}
+        adapter_waits = False  # once one waits for its adapter, adapters' requests behind it wait too (no starving)
         while waiting and len(taken) < limit:
             candidate = waiting[0]
+            if c.max_adapters_per_step and candidate.adapter is not None and (adapter_waits or (
+                    candidate.adapter.key not in adapters and len(adapters) >= c.max_adapters_per_step)):
+                adapter_waits = True
+                skipped.append(waiting.popleft())
+                continue
             if candidate.priority > 0:  # the queue is ordered by priority: only background work is left
                 if background_taken >= background_room:
                     break
@@ -211,6 +229,8 @@ class Scheduler:
                 break
             taken.append(waiting.popleft())
             prompt_tokens += len(candidate.prompt_ids)
+            if candidate.adapter is not None:
+                adapters.add(candidate.adapter.key)
             if candidate.priority > 0:
                 background_taken += 1
                 background_prompt_tokens += len(candidate.prompt_ids)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backend.errors import InvalidRequestError
-from python_backend.lora import AdapterError, AdapterStore, BaseShapes, parse_modules
+from python_backend.lora import AdapterError, AdapterStore, BaseShapes, adapter_bytes, parse_modules
 from python_backend.model_files import SETTINGS_FILE
 from python_backend.serving.request_inputs import TensorGetter, scalar
 
@@ -34,6 +34,11 @@ class LoraSettings:
     @property
     def enabled(self) -> bool:
         return self.max_loras > 0
+
+    def reserved_bytes(self, base: BaseShapes) -> int:
+        """What adapters may hold, taken from the KV budget: max_loras resident at max_lora_rank, and as much again
+        for a step's adapters joined side by side (a step runs at most max_loras of them: the scheduler's bound)."""
+        return 2 * self.max_loras * adapter_bytes(base, self.max_rank) if self.enabled else 0
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], environ=os.environ) -> "LoraSettings":

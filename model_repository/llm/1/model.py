@@ -45,9 +45,6 @@ class TritonPythonModel:
             replace(RuntimeSettings.from_parameters(params, device_id), adapters=self.lora.enabled), model_dir,
             ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length),
             project_root=project_root)
-        if self.lora.enabled:
-            print(f"[llm] LoRA: up to {self.lora.max_loras} adapters resident, rank <= {self.lora.max_rank}; named: "
-                  f"{', '.join(self.lora.modules) or 'none'}", file=sys.stderr, flush=True)
         print(f"[llm] {args['model_instance_name']}: {type(decoder).__name__}, KV cache on {decoder.tensors.device}",
               file=sys.stderr, flush=True)
         decoder = maybe_faulty(decoder)
@@ -59,10 +56,18 @@ class TritonPythonModel:
             max_guide_bytes=int(params.get("max_guide_bytes") or 65536),
         )
         self.adapters = open_store(self.lora, model_dir, project_root)
+        lora_bytes = self.lora.reserved_bytes(self.adapters.base) if self.adapters else 0
+        if self.adapters:
+            print(f"[llm] LoRA: up to {self.lora.max_loras} adapters resident and in a step, rank <= "
+                  f"{self.lora.max_rank}: {lora_bytes / 2**20:.0f} MiB of "
+                  f"kv_cache_budget_mb kept for them; named: {', '.join(self.lora.modules) or 'none'}",
+                  file=sys.stderr, flush=True)
         self.guides = GuideCompiler.for_model(model_dir, self.settings.eos_token_ids, decoder.vocab_size,
                                               cache_size=int(params.get("guide_cache_size") or 256))
         config = SchedulerConfig.from_parameters(params, max_batch_size, decoder.cache_shape.bytes_per_token(),
-                                                 getattr(decoder, "kv_layout", "padded"), max_context_length)
+                                                 getattr(decoder, "kv_layout", "padded"), max_context_length,
+                                                 reserved_bytes=lora_bytes,
+                                                 max_adapters_per_step=self.lora.max_loras)
         if params.get("enable_kv_cache_reuse", "").strip().lower() == "true" and not config.enable_kv_cache_reuse:
             print(f"[llm] enable_kv_cache_reuse: no prefix caching on {model_dir}, the export's graph (its KV cache "
                   "is a padded batch); every QUANT variant's folder (the fused graph) has it", file=sys.stderr,
