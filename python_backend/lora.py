@@ -209,8 +209,13 @@ class AdapterInputs:
         self.targets = targets
         self.kinds = sorted({kind for _, kind in targets})
         self._joined: tuple[tuple[str, ...], dict[str, np.ndarray]] | None = None
+        self._rows: tuple[tuple, dict[str, np.ndarray]] | None = None
 
     def for_rows(self, adapters: list[Adapter | None]) -> dict[str, np.ndarray]:
+        """The same arrays as the last call's for the same rows' adapters (the decoder binds an array once)."""
+        rows = tuple(a and a.key for a in adapters)
+        if self._rows is not None and self._rows[0] == rows:
+            return self._rows[1]
         active = list({a.key: a for a in adapters if a is not None}.values())
         key = tuple(a.key for a in active)
         if self._joined is None or self._joined[0] != key:
@@ -226,6 +231,7 @@ class AdapterInputs:
                 if adapter is not None and adapter.widths.get(kind):
                     mask[row, 0, starts[adapter.key]:starts[adapter.key] + adapter.widths[kind]] = 1.0
             inputs[mask_input(kind)] = mask
+        self._rows = (rows, inputs)
         return inputs
 
     def _join(self, active: list[Adapter]) -> dict[str, np.ndarray]:

@@ -77,7 +77,9 @@ class OnnxSlotDecoder:
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         for name, array in (extra or {}).items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+            if self._bound[3].get(name) is not array:  # adapters' matrices stay the same arrays from step to step
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+                self._bound[3][name] = array
         if self.has_position_switch:
             binding.bind_cpu_input(ALL_POSITIONS_INPUT, np.array([int(all_positions)], np.int64))
         binding.bind_output("logits")
@@ -102,7 +104,7 @@ class OnnxSlotDecoder:
             value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the array's memory: no copy
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
-        self._bound = (key, binding, cache)  # the arrays stay referenced while bound
+        self._bound = (key, binding, cache, {})  # the arrays stay referenced while bound; then the extra inputs
         return binding
 
 
