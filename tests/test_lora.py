@@ -361,6 +361,22 @@ def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait
     assert [seq.output_ids for seq in seqs] == [reference[name][i] for name, i in order]
 
 
+def test_the_default_variant_s_lora_parity_report_holds_each_adapter_to_the_variant_s_thresholds(peft_run, model_dir,
+                                                                                                tmp_path):
+    from scripts.eval.lora_parity import main
+    from tests.helpers import variant_folder
+
+    folder, _, _ = peft_run
+    output = tmp_path / "lora_parity.json"
+    code = main(["--model-dir", str(variant_folder(model_dir, "int4")), "--prompts", "6", "--tokens", "24",
+                 "--output", str(output), *(f"--adapter={name}={folder / name}" for name in ADAPTER_SPECS)])
+    report = json.loads(output.read_text())
+    assert report["variant"] == "int4" and set(report["results"]) == {"base", *ADAPTER_SPECS}
+    for name, result in report["results"].items():  # PEFT's own model loaded from the folder, in fp32
+        assert result["greedy_agreement"]["identical"] == 6 and result["max_abs_logit_diff"] < 1e-3, name
+    assert code == 0 and report["passed"]
+
+
 # --- served: the llm model with adapters named at start, the ensemble and the OpenAI API ---
 
 @pytest.fixture(scope="module")

@@ -186,6 +186,48 @@ def test_int4_of_a_hugging_face_folder_is_refused_before_any_work_and_built_from
     assert (output / "onnx" / "model.onnx").is_file() and (output / VARIANT_MARK).is_file()
 
 
+@pytest.mark.server
+def test_peft_adapters_of_a_tiny_model_give_peft_s_tokens_on_its_fp32_variant(tiny_export, tiny_model_dir,
+                                                                             hf_tokenizer, tmp_path):
+    """LoRA on a model other than the default: the tiny Llama's fp32 variant (`make model SOURCE=<folder>
+    QUANT=fp32`) holds an adapter graph, and two adapters made with PEFT on the tiny folder (every projection; q and
+    v with rsLoRA) give PEFT's own greedy tokens, mixed with the base in one batch."""
+    import json
+
+    from python_backend.engine.loop import generate
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.sequence import Sequence
+    from python_backend.lora import BaseShapes, read_peft
+    from python_backend.model_files import ADAPTER_ONNX_FILE
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+
+    eval_python = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
+    if not eval_python.exists():
+        pytest.skip(f"{eval_python} is missing (PEFT lives in the eval venv): make eval-venv")
+    variant = tmp_path / "tiny-fp32"
+    built = subprocess.run([sys.executable, "-m", "scripts.prepare.quantize", "--quant", "fp32", "--source",
+                            str(tiny_export), "--output", str(variant)], cwd=PROJECT_ROOT, capture_output=True,
+                           text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    prompts = [hf_tokenizer(prompt).input_ids for prompt in PROMPTS]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    made = subprocess.run([str(eval_python), "-m", "scripts.eval.peft_reference", "--base", str(tiny_model_dir),
+                           "--output", str(tmp_path / "lora"), "--prompts", str(tmp_path / "prompts.json"),
+                           "--max-tokens", str(MAX_TOKENS), "--eos", str(END_ID), "--adapter", "every:4:8:all",
+                           "--adapter", "qv:8:16:q_proj,v_proj:rslora"], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert made.returncode == 0, made.stderr[-3000:]
+    reference = json.loads((tmp_path / "lora" / "reference.json").read_text())
+    assert all(reference[name] != reference[""] for name in ("every", "qv")), "an adapter that changes nothing"
+    base = BaseShapes.from_json(json.loads((variant / "llm_settings.json").read_text())["lora_base"])
+    adapters = {name: read_peft(tmp_path / "lora" / name, name, base) for name in ("every", "qv")}
+    names = ["", "every", "qv"]
+    sequences = [Sequence(prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS, end_ids=(END_ID,)),
+                          adapter=adapters.get(name)) for name in names for ids in prompts]
+    generate(OnnxSlotDecoder(variant / ADAPTER_ONNX_FILE), sequences, strategy="continuous")
+    assert [s.output_ids for s in sequences] == [reference[name][i] for name in names for i in range(len(prompts))]
+
+
 @pytest.fixture(scope="session")
 def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
     """A Hugging Face folder: the architectures table's tiny random Gemma 2 (scripts/bench/architectures.py), its

@@ -30,6 +30,7 @@ docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -265,8 +266,9 @@ def build_variant(source: Path, output: Path, recipe: Recipe, graph: str = FUSED
     return stats
 
 
+@functools.lru_cache(maxsize=8)
 def lora_shapes(source: Path) -> BaseShapes | None:
-    """The projections' shapes a LoRA adapter is checked against, from the source's config (None, said, when the
+    """The projections' shapes a LoRA adapter is checked against, from the source's config (None, said once, when the
     config does not name them: the variant then serves no adapters)."""
     try:
         return BaseShapes.from_config(json.loads((source_weights(source) / "config.json").read_text()))

@@ -27,6 +27,7 @@ from python_backend.engine.sequence import Sequence
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.serving.tokenization import PromptTokenizer
+from scripts.eval.peft_reference import pytorch_greedy
 
 GREEDY_REFERENCE_FILE = "greedy_reference.json"
 GREEDY_TOKENS = 64
@@ -94,36 +95,6 @@ def max_logit_difference(model, decoder, prompts: list[list[int]], decode_steps:
             mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], 1)
             onnx_logits = cache.step(next_tokens)
     return max_diff, max_logit
-
-
-def pytorch_greedy(model, prompts: list[list[int]], tokens: int, batch_size: int = 64) -> list[list[int]]:
-    """fp32 PyTorch's greedy tokens, prompts of similar length batched together: left-padded, the padding masked and
-    the positions counted from the mask, as transformers' generate() does. On the served model this gives the tokens of
-    one prompt at a time on all 42 load-test prompts over 64 tokens, in 21.5 s against 105 s (measured 2026-12-02)."""
-    import torch
-
-    answers: list[list[int] | None] = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        longest = max(len(prompts[i]) for i in rows)
-        ids = torch.tensor([[0] * (longest - len(prompts[i])) + prompts[i] for i in rows])
-        mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for i in rows])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-            batch = out.logits[:, -1].argmax(-1)[:, None]
-            chosen = [batch]
-            for _ in range(tokens - 1):
-                mask = torch.cat([mask, torch.ones_like(batch)], 1)
-                positions = positions[:, -1:] + 1
-                out = model(input_ids=batch, attention_mask=mask, position_ids=positions, cache=out.cache,
-                            use_cache=True)
-                batch = out.logits[:, -1].argmax(-1)[:, None]
-                chosen.append(batch)
-        for row, answer in zip(rows, torch.cat(chosen, 1).tolist()):
-            answers[row] = answer
-    return answers
 
 
 def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[list[int]]:
