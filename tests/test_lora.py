@@ -535,12 +535,28 @@ def test_adapters_load_and_unload_while_serving_and_a_running_request_keeps_its_
 
 
 @pytest.mark.server
-def test_a_batch_file_names_an_adapter_per_line(peft_run, lora_api, model, tokenizer):
+def test_a_batch_file_names_an_adapter_per_line(peft_run, lora_api, model, tokenizer, tmp_path):
+    """Through the Batch API, and through `python -m scripts.run_batch` on the same file."""
+    from scripts.clients.run_batch import errors_path
+    from scripts.clients.run_batch import main as run_batch
+
     _, prompts, reference = peft_run
     names = ["", *ADAPTER_SPECS, "nobody"]
     lines = [{"custom_id": f"{name or 'base'}-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": name or model, "prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0}}
              for name in names for i in range(len(prompts))]
+
+    def check(records: list[dict]) -> None:
+        results = {record["custom_id"]: record["response"] for record in records}
+        for name in names:
+            for i in range(len(prompts)):
+                response = results[f"{name or 'base'}-{i}"]
+                if name == "nobody":
+                    assert response["status_code"] == 404, response
+                else:
+                    assert response["body"]["model"] == (name or model)
+                    assert response["body"]["choices"][0]["text"] == tokenizer.decode(reference[name][i]), (name, i)
+
     uploaded = lora_api.files.create(file=("lines.jsonl", "\n".join(map(json.dumps, lines)).encode()),
                                      purpose="batch")
     batch = lora_api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
@@ -548,17 +564,11 @@ def test_a_batch_file_names_an_adapter_per_line(peft_run, lora_api, model, token
     wait_for(lambda: lora_api.batches.retrieve(batch.id).status in ended, 600, 0.2, "the batch did not end")
     batch = lora_api.batches.retrieve(batch.id)
     assert batch.status == "completed", batch
-    results = {}
-    for file_id in (batch.output_file_id, batch.error_file_id):
-        if file_id:
-            for raw in lora_api.files.content(file_id).text.splitlines():
-                record = json.loads(raw)
-                results[record["custom_id"]] = record["response"]
-    for name in names:
-        for i in range(len(prompts)):
-            response = results[f"{name or 'base'}-{i}"]
-            if name == "nobody":
-                assert response["status_code"] == 404, response
-            else:
-                assert response["body"]["model"] == (name or model)
-                assert response["body"]["choices"][0]["text"] == tokenizer.decode(reference[name][i]), (name, i)
+    check([json.loads(raw) for file_id in (batch.output_file_id, batch.error_file_id) if file_id
+           for raw in lora_api.files.content(file_id).text.splitlines()])
+
+    source, output = tmp_path / "lines.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(map(json.dumps, lines)))
+    run_batch(["-i", str(source), "-o", str(output), "--url", str(lora_api.base_url).rstrip("/").removesuffix("/v1")])
+    check([json.loads(raw) for path in (output, errors_path(output)) if path.is_file()
+           for raw in path.read_text().splitlines()])
