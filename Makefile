@@ -12,7 +12,8 @@ RUNTIME ?= onnxruntime
 # lands in EXPORT_DIR-QUANT, built on the fused graph whose KV cache is written in place (one layout, prefix caching),
 # for the CPU runtime. The GPU runtimes serve the export itself, its own graph and padded cache (TensorRT parses
 # neither the fused graph nor MatMulNBits): QUANT=fp32 with a GPU RUNTIME is EXPORT_DIR.
-QUANT ?= $(if $(filter onnxruntime,$(RUNTIME)),int4,fp32)
+# The default is fp32: of the exact variants, the best batch throughput (docs/models.md says how it was chosen).
+QUANT ?= fp32
 override QUANT := $(patsubst int8,fast,$(patsubst int4-fast,fast,$(QUANT)))
 QUANTS := fp32 int4 fast fp16
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)

@@ -19,7 +19,7 @@ from python_backend.runtime.factory import cpu_decoder
 from scripts.bench.structured_schemas import SCHEMAS, schema_prompt
 from tests.helpers import variant_folder
 
-# The held set twice, at once, on the default variant as it is served: the exact int4 graph with its slot cache and
+# The held set twice, at once, on the exact int4 variant as it is served: its fused graph with its slot cache and
 # prefix caching (the sampled rows reuse the greedy rows' prompts: a third of the fp32 export's time).
 CONFIG = SchedulerConfig(max_batch_size=2 * len(SCHEMAS), kv_budget_tokens=200_000, kv_layout="slots",
                          max_context_length=512, enable_kv_cache_reuse=True)
