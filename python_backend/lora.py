@@ -11,8 +11,8 @@ its adapter or none: the step's distinct adapters side by side (joined once per 
 mask per projection kind selecting each row's own columns.
 
 Each variant on the fused graph holds an adapter graph (scripts/prepare/quantize.py); the slot cache
-(python_backend/engine/kv_slots.py) keeps each row's adapter and feeds these inputs at every call; the llm model keeps an
-AdapterStore (python_backend/serving/llm_adapters.py).
+(python_backend/engine/kv_slots.py) keeps each row's adapter and feeds these inputs at every call; the llm model
+keeps an AdapterStore (python_backend/serving/llm_adapters.py).
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ class SchedulerConfig:
     static_timeout_s: float = 0.5
     length_buckets: tuple[int, ...] = ()  # dynamic: prompt-length boundaries, e.g. (32, 128)
     # LoRA: most distinct adapters in the running batch (0: no bound); a request with another one waits its turn,
-    # requests for the base behind it go ahead. Each adapter's matrices are joined into the step's inputs (python_backend/lora.py).
+    # requests for the base behind it go ahead. Each adapter's matrices are joined into the step's inputs
+    # (python_backend/lora.py).
     max_adapters_per_step: int = 0
 
     def __post_init__(self):
