@@ -334,6 +334,7 @@ def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run,
     assert lora_core.prefix.hit_tokens == hits
 
 
+@pytest.mark.parametrize("lora_decoder", ["fp32"], indirect=True)  # scheduling: one variant is enough
 def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait_their_turn(peft_run, lora_decoder,
                                                                                            settings):
     from python_backend.engine.core import EngineCore
@@ -361,8 +362,8 @@ def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait
     assert [seq.output_ids for seq in seqs] == [reference[name][i] for name, i in order]
 
 
-def test_the_default_variant_s_lora_parity_report_holds_each_adapter_to_the_variant_s_thresholds(peft_run, model_dir,
-                                                                                                tmp_path):
+def test_the_int4_variant_s_lora_parity_report_holds_each_adapter_to_the_variant_s_thresholds(peft_run, model_dir,
+                                                                                             tmp_path):
     from scripts.eval.lora_parity import main
     from tests.helpers import variant_folder
 
