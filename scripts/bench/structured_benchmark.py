@@ -45,7 +45,7 @@ from scripts.prepare.quantize import variant_dir
 MAX_TOKENS = 128
 NEVER_WRITTEN = 49151  # SmolLM2's last vocabulary entry, as end_id: generation runs to max_tokens
 MODES = ("free", "enforced", "free_same_lengths", "free_sustained", "enforced_sustained", "free_unseen",
-         "enforced_unseen")
+         "enforced_unseen", "free_unseen_same_lengths")
 ROUNDS = 4  # sustained: each of the n clients sends this many requests, one after another
 
 
@@ -81,15 +81,16 @@ def served_runs(grpc: str, n: int, repeats: int) -> dict:
     # finds the prefix cache alike (a prompt seen whole needs no prefill: prefix_cache.py).
     through_server(requests(len(SCHEMAS), True), grpc, concurrent=True)
     for repeat in range(repeats):
-        lengths = None
+        lengths = {}
         for mode in MODES:
             sustained = mode.endswith("_sustained")
+            unseen = "_unseen" in mode
             batch = requests(n * ROUNDS if sustained else n, mode.startswith("enforced"),
-                             lengths if mode == "free_same_lengths" else None,
-                             f"{repeat}{mode[0]}" if mode.endswith("_unseen") else None)
+                             lengths.get(unseen) if mode.endswith("_same_lengths") else None,
+                             f"{repeat}{mode[0]}{len(mode)}" if unseen else None)
             results, wall = through_server(batch, grpc, concurrent=True, concurrency=n)
-            if mode == "enforced":
-                lengths = [r.output_tokens for r in results]
+            if mode in ("enforced", "enforced_unseen"):  # the lengths the next *_same_lengths mode asks for
+                lengths[unseen] = [r.output_tokens for r in results]
             tokens = sum(r.output_tokens for r in results)
             runs[mode].append({"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall})
             texts[mode] = [r.text for r in results]
@@ -168,6 +169,7 @@ def run(model_dir: Path, n: int = 32, repeats: int = 3, log_path: Path | None = 
               "ratio_same_lengths": paired_ratio(served["enforced"], served["free_same_lengths"]),
               "ratio_sustained": paired_ratio(served["enforced_sustained"], served["free_sustained"]),
               "ratio_unseen": paired_ratio(served["enforced_unseen"], served["free_unseen"]),
+              "ratio_unseen_same_lengths": paired_ratio(served["enforced_unseen"], served["free_unseen_same_lengths"]),
               "masks": mask_times(model_dir, served["enforced"]["texts"], vocab, settings.eos_token_ids),
               "compile": compile_times(model_dir, vocab, settings.eos_token_ids)}
     return result
@@ -199,6 +201,11 @@ def print_table(result: dict) -> None:
     print(f"| prompts not seen before, with the schema enforced | {enforced_u['tokens']} | "
           f"{enforced_u['tokens_per_s']:.1f} | {enforced_u['valid']}/{enforced_u['answers']} |")
     print(f"| prompts not seen before: enforced / without (the same) | | x{result['ratio_unseen']:.2f} | |")
+    same_u = result["free_unseen_same_lengths"]
+    print(f"| prompts not seen before, without, each as long as its enforced answer | {same_u['tokens']} | "
+          f"{same_u['tokens_per_s']:.1f} | |")
+    print(f"| prompts not seen before: enforced / without at the same lengths (the same) | | "
+          f"x{result['ratio_unseen_same_lengths']:.2f} | |")
     print(f"\nmask time per step (median): one row {masks['batch_1_ms']:.3f} ms; {masks['batch_all_rows']} rows at "
           f"once {masks['batch_all_ms']:.3f} ms")
     print(f"compile time of the {comp['schemas']} schemas: cold median {comp['cold_median_ms']:.2f} ms "
