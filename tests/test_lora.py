@@ -362,6 +362,7 @@ def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait
     assert [seq.output_ids for seq in seqs] == [reference[name][i] for name, i in order]
 
 
+@pytest.mark.server  # slow in a clean clone (15-35 s: PEFT's own answers, in the eval venv): out of the fast suite
 def test_the_int4_variant_s_lora_parity_report_holds_each_adapter_to_the_variant_s_thresholds(peft_run, model_dir,
                                                                                              tmp_path):
     from scripts.eval.lora_parity import main
