@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,37 @@ def test_encoding_from_many_threads_at_once_matches_one_at_a_time(tokenizer):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda case: (case, tokenizer.encode(*case)), cases * 300))
     assert all(ids == expected[case] for case, ids in results)
+
+
+def test_the_served_tokenizer_is_auto_tokenizer_s_own_and_loads_without_torch(model_dir, tmp_path):
+    """Every process that tokenizes (the ensembles' models, the OpenAI API) loads the tokenizer without importing torch,
+    as the class AutoTokenizer picks and with its ids; a folder naming another class goes through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from python_backend.serving.tokenization import PromptTokenizer, load_tokenizer
+
+    auto = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    served = PromptTokenizer(model_dir)
+    assert type(served.tokenizer) is type(auto)
+    for text in [*EDGE_CASES, FORGED_SYSTEM_TURN]:
+        assert served.encode(text, apply_chat_template=False) == auto.encode(text)
+        ids = auto.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False, sanitize_control_tokens=True)
+        assert served.encode(text, apply_chat_template=True) == list(ids)
+    code = ("import sys; from python_backend.serving.tokenization import PromptTokenizer; "
+            "PromptTokenizer(sys.argv[1]).encode('hi', True); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(model_dir)], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy(Path(model_dir) / name, other / name)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(other)) is type(AutoTokenizer.from_pretrained(other, local_files_only=True))

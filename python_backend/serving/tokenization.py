@@ -7,14 +7,31 @@ tokens included, and the tokenizer's own configuration decides whether BOS/EOS a
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
-from transformers import AutoTokenizer
+# What transformers 5 writes as tokenizer_class for a tokenizer.json tokenizer (every export here).
+TOKENIZERS_BACKEND = "TokenizersBackend"
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """transformers' tokenizer of the folder, the class AutoTokenizer picks. A folder whose tokenizer_config.json names
+    TokenizersBackend is loaded as that class directly: AutoTokenizer's module imports torch (about 1.3 s and 200 MB
+    in every process that tokenizes: the ensembles' Python models, the OpenAI API), this one does not."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") == TOKENIZERS_BACKEND:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 class PromptTokenizer:
     def __init__(self, model_dir: str | os.PathLike):
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
 
     @property
     def has_chat_template(self) -> bool:
