@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from python_backend.lora import AdapterError, AdapterInputs, BaseShapes, read_peft
-from scripts.paths import PROJECT_ROOT
 from scripts.prepare.lora_graph import add_adapter_inputs
 from tests.helpers import metric_samples, metrics, wait_for, wait_idle
 
@@ -226,7 +224,6 @@ def test_adapters_memory_is_kept_from_the_kv_budget(tmp_path, rng):
 
 # --- the served model with PEFT's own adapters, in the engine ---
 
-EVAL_PYTHON = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
 ADAPTER_SPECS = {"sql": "8:16:q_proj,v_proj", "chat": "16:16:all:rslora"}  # PEFT's Llama default, and every projection
 MAX_TOKENS = 16
 
@@ -236,25 +233,15 @@ def peft_run(settings, kv_prompts):
     """Adapters made with PEFT on the served model's weights (random B: the answers change) and PEFT's greedy tokens
     for four chat prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv). Kept under
     build/ by a digest of what makes them (the script, the base's config, the prompts, the specs): made once."""
-    import hashlib
+    from scripts.eval.peft_reference import EVAL_PYTHON, cached_run
 
     if not EVAL_PYTHON.exists():
         pytest.skip(f"{EVAL_PYTHON} is missing (PEFT lives in the eval venv): make eval-venv")
     prompts = kv_prompts[:4]
-    script = PROJECT_ROOT / "scripts" / "eval" / "peft_reference.py"
-    made_of = [script.read_text(), (Path(settings["hf_dir"]) / "config.json").read_text(), json.dumps(prompts),
-               json.dumps(ADAPTER_SPECS), str(MAX_TOKENS), json.dumps(settings["eos_token_ids"])]
-    folder = PROJECT_ROOT / "build" / "peft-reference" / hashlib.sha256("\0".join(made_of).encode()).hexdigest()[:16]
-    if not (folder / "reference.json").is_file():
-        (folder / "prompts.json").parent.mkdir(parents=True, exist_ok=True)
-        (folder / "prompts.json").write_text(json.dumps(prompts))
-        command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--base", settings["hf_dir"], "--output",
-                   str(folder), "--prompts", str(folder / "prompts.json"), "--max-tokens", str(MAX_TOKENS),
-                   "--eos", ",".join(map(str, settings["eos_token_ids"]))]
-        for name, spec in ADAPTER_SPECS.items():
-            command += ["--adapter", f"{name}:{spec}"]
-        done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
+    arguments = ["--base", settings["hf_dir"], "--max-tokens", str(MAX_TOKENS),
+                 "--eos", ",".join(map(str, settings["eos_token_ids"])),
+                 *(f"--adapter={name}:{spec}" for name, spec in ADAPTER_SPECS.items())]
+    folder = cached_run(arguments, {"prompts": prompts}, [(Path(settings["hf_dir"]) / "config.json").read_text()])
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 
 

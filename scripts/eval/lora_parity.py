@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,14 +28,14 @@ from python_backend.engine.loop import generate
 from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
-from python_backend.lora import BaseShapes, read_peft
+from python_backend.lora import AdapterError, BaseShapes, parse_modules, read_peft
 from python_backend.model_files import ADAPTER_ONNX_FILE, SETTINGS_FILE
 from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
 from python_backend.serving.tokenization import PromptTokenizer
-from scripts.paths import PROJECT_ROOT
-from scripts.prepare.variant_parity import GREEDY_TOKENS, LOGIT_PROMPTS, THRESHOLDS, agreement, load_test_prompts
+from scripts.eval.peft_reference import EVAL_PYTHON, cached_run
+from scripts.prepare.variant_parity import GREEDY_TOKENS, LOGIT_PROMPTS, agreement, load_test_prompts
+from scripts.prepare.variant_parity import judge as variant_judge
 
-EVAL_PYTHON = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
 LORA_PARITY_FILE = "lora_parity.json"
 
 
@@ -46,24 +45,16 @@ def peft_answers(base_dir: Path, adapters: dict[str, Path], prompts: list[list[i
     base (name ""), made once per digest of their inputs."""
     if not EVAL_PYTHON.exists():
         raise SystemExit(f"{EVAL_PYTHON} is missing (PEFT lives in the eval venv): make eval-venv")
-    script = PROJECT_ROOT / "scripts" / "eval" / "peft_reference.py"
-    made_of = [script.read_text(), (base_dir / "config.json").read_text(), json.dumps([prompts, logit_prompts, tokens])]
+    made_of = [(base_dir / "config.json").read_text()]
     for name, folder in sorted(adapters.items()):
         made_of += [name, (folder / "adapter_config.json").read_text(),
                     hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()]
-    out = PROJECT_ROOT / "build" / "peft-reference" / hashlib.sha256("\0".join(made_of).encode()).hexdigest()[:16]
-    if not (out / "reference.json").is_file() or not (out / "logits.npz").is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "prompts.json").write_text(json.dumps(prompts))
-        (out / "logit_prompts.json").write_text(json.dumps(logit_prompts))
-        command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--base", str(base_dir), "--output", str(out),
-                   "--prompts", str(out / "prompts.json"), "--logit-prompts", str(out / "logit_prompts.json"),
-                   "--max-tokens", str(tokens), "--no-end"]
-        for name, folder in adapters.items():
-            command += ["--load", f"{name}={folder}"]
-        done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"PEFT's reference failed:\n{done.stderr[-3000:]}")
+    arguments = ["--base", str(base_dir), "--max-tokens", str(tokens), "--no-end",
+                 *(f"--load={name}={folder}" for name, folder in adapters.items())]
+    try:
+        out = cached_run(arguments, {"prompts": prompts, "logit-prompts": logit_prompts}, made_of)
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from None
     logits = np.load(out / "logits.npz")
     return json.loads((out / "reference.json").read_text()), {name: logits[name] for name in logits.files}
 
@@ -110,12 +101,10 @@ def measure(model_dir: Path, adapters: dict[str, Path], prompt_count: int, token
 
 
 def judge(measured: dict) -> dict:
-    max_diff, share = THRESHOLDS[measured["variant"]]
-    for result in measured["results"].values():
-        result["passed"] = (result["max_abs_logit_diff"] <= max_diff
-                            and result["greedy_agreement"]["identical_share"] >= share)
-    return {**measured, "thresholds": {"max_abs_logit_diff": max_diff, "greedy_identical_share": share},
-            "passed": all(r["passed"] for r in measured["results"].values())}
+    """Each adapter's results held to the variant's thresholds, as variant_parity judges the variant itself."""
+    results = {name: variant_judge(measured["variant"], result) for name, result in measured["results"].items()}
+    return {**measured, "results": results, "thresholds": next(iter(results.values()))["thresholds"],
+            "passed": all(r["passed"] for r in results.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,12 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=GREEDY_TOKENS)
     parser.add_argument("--output", type=Path, help=f"the report (default: MODEL_DIR/{LORA_PARITY_FILE})")
     args = parser.parse_args(argv)
-    adapters = {}
-    for item in args.adapter:
-        name, sep, folder = item.partition("=")
-        if not sep or not name:
-            parser.error(f"--adapter {item!r}: expected NAME=FOLDER")
-        adapters[name] = Path(folder).resolve()
+    try:
+        adapters = {name: Path(folder).resolve() for name, folder in parse_modules(",".join(args.adapter)).items()}
+    except AdapterError as error:
+        parser.error(f"--adapter: {error}")
     report = judge(measure(args.model_dir, adapters, args.prompts, args.tokens))
     output = args.output or args.model_dir / LORA_PARITY_FILE
     output.write_text(json.dumps(report, indent=2))

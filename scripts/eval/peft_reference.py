@@ -22,8 +22,34 @@ import json
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+EVAL_PYTHON = ROOT / ".venv-eval" / "bin" / "python"  # where PEFT is (make eval-venv)
+REFERENCE_DIR = ROOT / "build" / "peft-reference"
+DONE_FILE = "done"
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 B_STD = 0.05  # large enough that greedy answers change on SmolLM2-135M (tests/test_lora.py checks that they do)
+
+
+def cached_run(arguments: list[str], files: dict[str, object], made_of: list[str], timeout_s: float = 900) -> Path:
+    """Runs this script in the eval venv (called from the main one), once per digest of what makes its answers (this
+    script, ``made_of``, the files, the arguments): its output folder under REFERENCE_DIR. Each of ``files`` is
+    written there as NAME.json and passed as --NAME (prompts, logit-prompts). RuntimeError with PEFT's error."""
+    import hashlib
+    import subprocess
+
+    key = "\0".join([Path(__file__).read_text(), *made_of, json.dumps(files), *arguments])
+    folder = REFERENCE_DIR / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not (folder / DONE_FILE).is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [str(EVAL_PYTHON), "-m", "scripts.eval.peft_reference", "--output", str(folder), *arguments]
+        for name, value in files.items():
+            (folder / f"{name}.json").write_text(json.dumps(value))
+            command += [f"--{name}", str(folder / f"{name}.json")]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode:
+            raise RuntimeError(f"PEFT's reference failed:\n{done.stderr[-3000:]}")
+        (folder / DONE_FILE).write_text("")
+    return folder
 
 
 def parse_adapter(spec: str) -> dict:
