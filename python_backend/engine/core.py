@@ -254,9 +254,22 @@ class EngineCore:
             self.running += group  # the cache's new rows, in order
             parts.append(logits)
             computed, padding = computed + group_computed, padding + group_padding
+        together = self._rests_together(unique, hits)
+        if together:
+            try:
+                logits, rest, rest_padding = self.cache.prefill_rests(
+                    [s.prompt_ids for s in together], [s.reserved_tokens() for s in together],
+                    [hits[id(s)].tokens(self.prefix.block_tokens) for s in together],
+                    [partial(self.prefix.load, hits[id(s)]) for s in together], [s.adapter for s in together])
+                self.running += together
+                parts.append(logits)
+                computed, padding = computed + rest, padding + rest_padding
+            except Exception:  # noqa: BLE001 - each one alone below, where a bad one fails by itself
+                together = []
+        prefilled_together = {id(s) for s in together}
         for seq in unique:
             hit = hits.get(id(seq))
-            if not hit:
+            if not hit or id(seq) in prefilled_together:
                 continue
             fill = partial(self.prefix.load, hit)
             try:
@@ -296,6 +309,14 @@ class EngineCore:
             yield from self._fail(seq, error)
         for seq in joined:
             yield from self._emit(seq)
+
+    def _rests_together(self, unique: list[Sequence], hits: dict) -> list[Sequence]:
+        """The prompts found in part in the prefix cache whose rests one call prefills (the rest graph): two or
+        more, not scored (a scored prompt needs every position's logits)."""
+        if not getattr(self.cache, "prefills_rests", False):
+            return []
+        found = [s for s in unique if hits.get(id(s)) and hits[id(s)].whole is None and not s.params.prompt_logprobs]
+        return found if len(found) > 1 else []
 
     def _prefill_after_hit(self, seq: Sequence, hit, fill) -> tuple[np.ndarray, int]:
         """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions
