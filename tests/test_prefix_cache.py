@@ -100,13 +100,18 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
 def test_several_prompts_rests_are_prefilled_in_one_call_to_the_same_tokens(decoder, prompts, without_reuse):
     """Five prompts behind the cached system prompt, their questions of different lengths: their rests go in one call
     of the rest graph (right-padded, each after its own past), none one row at a time, and each answer is the one
-    computed without reuse."""
+    computed without reuse. The step's prefill budget, short of two whole prompts, counts only the tokens to compute:
+    all five are prefilled in the same step."""
     assert decoder.rests is not None, "the variant has no rest graph (onnx/model.rests.onnx): make variants"
     counting = CountingDecoder(decoder)
-    core = reuse(counting)
+    core = reuse(counting, max_prefill_tokens=2 * max(len(p) for p in prompts) - 1)
     run(core, sequences(prompts[:1]))
     counting.calls.clear()
+    counts = (core.prefix.queried_tokens, core.prefix.hit_tokens)
+    found = [core.prefix.found_tokens(p) for p in prompts[1:]]  # what the budget leaves out: a look, not a lookup
+    assert (core.prefix.queried_tokens, core.prefix.hit_tokens) == counts and min(found) > 0
     assert run(core, sequences(prompts[1:])) == without_reuse[1:]
+    assert core.prefix.hit_tokens - counts[1] == sum(found)
     assert len({len(p) for p in prompts[1:]}) > 1  # the rows' rests differ in length: padding is exercised
     assert len(counting.rest_calls) == 1 and counting.rest_calls[0][0] == len(prompts) - 1
     assert all(shape[1] == 1 for shape in counting.calls if shape not in counting.rest_calls)  # then decode steps

@@ -172,13 +172,14 @@ class EngineCore:
             if (self.waiting and self.waiting[0].priority <= 0) or any(s.priority <= 0 for s in busy):
                 self._live_seen_at = clock
             live_active = clock - self._live_seen_at <= self.config.live_grace_s
-            self.prefilling += self.scheduler.admit(self.waiting, busy, self.cache.cache_len, clock, live_active)
+            self.prefilling += self.scheduler.admit(self.waiting, busy, self.cache.cache_len, clock, live_active,
+                                                    self._prompt_cost)
         for seq in cancelled:
             yield from self._emit(seq)
         if self.prefix is not None:  # the cache gets what the admitted reservations leave, before they are written
             counts = (self.prefix.queried_tokens, self.prefix.hit_tokens, self.prefix.evicted_blocks)
             self.prefix.trim(self._prefix_room())
-        chunks = self.scheduler.prefill_chunks(self.prefilling)
+        chunks = self.scheduler.prefill_chunks(self.prefilling, self._prompt_cost)
         for chunk in chunks:
             yield from self._prefill(chunk)
         if self.prefix is not None:
@@ -310,6 +311,13 @@ class EngineCore:
         for seq in joined:
             yield from self._emit(seq)
 
+    def _prompt_cost(self, seq: Sequence) -> int:
+        """The prompt tokens a prefill of seq computes: those the prefix cache does not hold (the scheduler's
+        prefill budget counts these)."""
+        if self.prefix is None:
+            return len(seq.prompt_ids)
+        return len(seq.prompt_ids) - self.prefix.found_tokens(seq.prompt_ids, seq.prefix_salt)
+
     def _rests_together(self, unique: list[Sequence], hits: dict) -> list[Sequence]:
         """The prompts found in part in the prefix cache whose rests one call prefills (the rest graph): two or
         more, not scored (a scored prompt needs every position's logits)."""
@@ -329,7 +337,7 @@ class EngineCore:
                 seq.prompt_logprobs = hit.scores()
             return hit.whole.logits[None], 0
         cached = hit.tokens(self.prefix.block_tokens)
-        if not scoring:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
+        if not scoring:  # after a cached prefix, the rest of the prompt alone
             logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill,
                                                       adapter=seq.adapter)
             return logits, rest

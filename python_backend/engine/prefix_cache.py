@@ -14,8 +14,9 @@ token not cached; and, for a prompt seen whole, what makes it need no computing 
   full blocks into the cache: a running sequence never shares memory with the cache, so evicting a block can never
   disturb one.
 - **Exact.** A cached block holds what a prefill computed for the same tokens at the same positions, and a whole
-  prompt's logits are the ones its prefill computed; the rest of a prompt found only in part is prefilled in the
-  new row's slot alone (onnxruntime's CPU kernel takes several new tokens after a past only for one row). At least
+  prompt's logits are the ones its prefill computed; the rests of prompts found only in part are prefilled in the
+  new rows' slots, together through the rest graph where the variant has one (onnxruntime's CPU kernel takes several
+  new tokens after a past only for one row: python_backend/runtime/onnx_rest_decoder.py), else one by one. At least
   ``MIN_SUFFIX`` tokens of a prompt found in part are computed: a single new token after a past runs the kernel's
   decode path, whose rounding differs from a prefill's.
 - **Scores too.** A prompt scored (each token's log-probability: evaluation) leaves its tokens' scores with its
@@ -109,6 +110,22 @@ class PrefixCache:
     def usable_blocks(self, prompt: list[int]) -> int:
         """Full blocks of a prompt found in part that may come from the cache (MIN_SUFFIX tokens are computed)."""
         return max(0, (len(prompt) - MIN_SUFFIX) // self.block_tokens)
+
+    def found_tokens(self, prompt: list[int], salt: str = "") -> int:
+        """How many of the prompt's leading tokens a match would find now (all of them for a prompt held whole), without
+        marking anything used or counting a query: what the scheduler's prefill budget does not count."""
+        last_key, found = self._root(salt), 0
+        for key, tokens in self._chain(prompt, salt, len(prompt) // self.block_tokens):
+            block = self._blocks.get(key)
+            if block is None or block.tokens != tokens:
+                break
+            found, last_key = found + 1, key
+        if found == len(prompt) // self.block_tokens:
+            key, tail = self._whole_key(prompt, last_key)
+            whole = self._blocks.get(key)
+            if whole is not None and whole.tokens == tail and whole.logits is not None:
+                return len(prompt)
+        return min(found, self.usable_blocks(prompt)) * self.block_tokens
 
     def match(self, prompt: list[int], salt: str = "", scores_top: int | None = None) -> PrefixHit:
         """The prompt whole, else the longest run of its leading blocks held under this salt (marked recently

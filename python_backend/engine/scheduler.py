@@ -16,7 +16,9 @@ While live work is about (continuous), background work is also held to ``backgro
   ``static_timeout_s``), they run together to completion; finished rows keep being computed until the last one ends.
 
 Every strategy prefills at most ``max_prefill_tokens`` prompt tokens per step, in chunks of similar prompt length;
-a group (dynamic, static) decodes once all of it is prefilled.
+a group (dynamic, static) decodes once all of it is prefilled. A prompt's tokens are the ones to compute: with prefix
+caching, those the cache does not hold (the core's ``cost``), so that many prompts behind a cached instruction are
+prefilled in one step, their rests together.
 """
 
 from __future__ import annotations
@@ -128,15 +130,20 @@ def padded_cache_bound(sequences: list[Sequence], cache_len: int) -> int:
     return len(sequences) * (longest + max(s.remaining_tokens() for s in sequences))
 
 
-def length_sorted_chunks(sequences: list[Sequence], max_padding: float = PREFILL_MAX_PADDING) -> list[list[Sequence]]:
-    """Splits a prefill into chunks of similar prompt length, so that left padding stays under ``max_padding``
-    of each chunk's computed positions."""
+def _prompt_length(sequence: Sequence) -> int:
+    return len(sequence.prompt_ids)
+
+
+def length_sorted_chunks(sequences: list[Sequence], max_padding: float = PREFILL_MAX_PADDING,
+                         cost=_prompt_length) -> list[list[Sequence]]:
+    """Splits a prefill into chunks of similar length to compute (cost), so that padding stays under
+    ``max_padding`` of each chunk's computed positions."""
     chunks: list[list[Sequence]] = []
-    for seq in sorted(sequences, key=lambda s: len(s.prompt_ids), reverse=True):
+    for seq in sorted(sequences, key=cost, reverse=True):
         if chunks:
             chunk = chunks[-1]
-            longest = len(chunk[0].prompt_ids)
-            real = sum(len(s.prompt_ids) for s in chunk) + len(seq.prompt_ids)
+            longest = cost(chunk[0])
+            real = sum(cost(s) for s in chunk) + cost(seq)
             if (len(chunk) + 1) * longest - real <= max_padding * (len(chunk) + 1) * longest:
                 chunk.append(seq)
                 continue
@@ -149,36 +156,38 @@ class Scheduler:
         self.config = config
 
     def admit(self, waiting: deque[Sequence], running: list[Sequence], cache_len: int, now: float,
-              live_active: bool = False) -> list[Sequence]:
+              live_active: bool = False, cost=None) -> list[Sequence]:
         """Pops the sequences to prefill now from the front of ``waiting``. live_active: live work waits or runs, or
-        did within live_grace_s (the core keeps that time)."""
+        did within live_grace_s (the core keeps that time). cost(sequence): its prompt tokens to compute (default:
+        all of them)."""
         c = self.config
+        cost = cost or _prompt_length
         if not waiting:
             return []
         if c.strategy == "continuous":
-            return self._take(waiting, running, cache_len, c.max_prefill_tokens, live_active=live_active)
+            return self._take(waiting, running, cache_len, c.max_prefill_tokens, live_active=live_active, cost=cost)
         if running:
             return []  # dynamic and static: a group runs to completion before the next starts
         if c.strategy == "static":
             if len(waiting) < c.static_batch_size and now - waiting[0].arrival < c.static_timeout_s:
                 return []
-            return self._take(waiting, [], 0, None, limit=c.static_batch_size)
-        return self._take(waiting, [], 0, None, bucket=self._bucket(waiting[0]))
+            return self._take(waiting, [], 0, None, limit=c.static_batch_size, cost=cost)
+        return self._take(waiting, [], 0, None, bucket=self._bucket(waiting[0]), cost=cost)
 
-    def prefill_chunks(self, admitted: list[Sequence]) -> list[list[Sequence]]:
+    def prefill_chunks(self, admitted: list[Sequence], cost=None) -> list[list[Sequence]]:
         """Pops this step's prefill from the front of ``admitted`` (at most max_prefill_tokens prompt tokens, at least
         one sequence, so that no strategy's step runs unbounded while cancellations and the decode wait), in
         chunks of similar prompt length, more urgent priorities first."""
-        taken, tokens = [], 0
+        taken, tokens, cost = [], 0, cost or _prompt_length
         while admitted:
-            size = len(admitted[0].prompt_ids)
+            size = cost(admitted[0])
             if taken and tokens + size > self.config.max_prefill_tokens:
                 break
             taken.append(admitted.pop(0))
             tokens += size
         # The most urgent first: a live request's first token does not wait for batch lines' prefill.
         return [chunk for priority in sorted({s.priority for s in taken})
-                for chunk in length_sorted_chunks([s for s in taken if s.priority == priority])]
+                for chunk in length_sorted_chunks([s for s in taken if s.priority == priority], cost=cost)]
 
     def should_decode(self, running: list[Sequence], admitted: list[Sequence]) -> bool:
         """Whether the running batch decodes at this step: a group (dynamic, static) once all of it is prefilled,
@@ -193,7 +202,7 @@ class Scheduler:
         return [row for row, s in enumerate(running) if not s.finished]
 
     def _take(self, waiting, running, cache_len, prefill_tokens, limit=None, bucket=None,
-              live_active=False) -> list[Sequence]:
+              live_active=False, cost=_prompt_length) -> list[Sequence]:
         c = self.config
         limit = min(limit or c.max_batch_size, c.max_batch_size - len(running))
         background_running = sum(s.priority > 0 for s in running)
@@ -219,22 +228,22 @@ class Scheduler:
                 if background_taken >= background_room:
                     break
                 if (background_tokens is not None and background_taken
-                        and background_prompt_tokens + len(candidate.prompt_ids) > background_tokens):
+                        and background_prompt_tokens + cost(candidate) > background_tokens):
                     break
             if bucket is not None and self._bucket(candidate) != bucket:
                 skipped.append(waiting.popleft())
                 continue
-            if taken and prefill_tokens is not None and prompt_tokens + len(candidate.prompt_ids) > prefill_tokens:
+            if taken and prefill_tokens is not None and prompt_tokens + cost(candidate) > prefill_tokens:
                 break
             if cache_bound(c.kv_layout, running + taken + [candidate], cache_len) > c.kv_budget_tokens:
                 break
             taken.append(waiting.popleft())
-            prompt_tokens += len(candidate.prompt_ids)
+            prompt_tokens += cost(candidate)
             if candidate.adapter is not None:
                 adapters.add(candidate.adapter.key)
             if candidate.priority > 0:
                 background_taken += 1
-                background_prompt_tokens += len(candidate.prompt_ids)
+                background_prompt_tokens += cost(candidate)
         waiting.extendleft(reversed(skipped))
         return taken
 

@@ -13,7 +13,8 @@ the cache is preallocated, one slot per row, and never copied by a step (python_
 the slots). What onnxruntime's CPU kernel takes (seen with onnxruntime 1.32, docs/architecture.md):
 - a first prompt: any number of rows, right-padded, ``new == total`` (the mask's ones mark each row's tokens);
 - a decode step: one new token per row, any rows, each with its own length;
-- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time.
+- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time; several rows'
+  rests go through the rest graph beside this one instead (``self.rests``: onnx_rest_decoder.py), where built.
 """
 
 from __future__ import annotations
