@@ -248,12 +248,10 @@ def outputs_alone(decoder, sequences: list[Sequence]) -> list[list[int]]:
 
 
 class CountingDecoder:
-    """A real decoder (either KV layout), recording the shape of the tokens of each model call (its rest graph's
-    too: ``forward_rests``, which a subclass may override like ``forward_in_place``)."""
+    """A real decoder (either KV layout), recording the shape of the tokens of each model call."""
 
     def __init__(self, inner):
-        self.inner, self.calls, self.rest_calls = inner, [], []
-        self.rests = _Rests(self) if getattr(inner, "rests", None) is not None else None
+        self.inner, self.calls = inner, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -265,19 +263,6 @@ class CountingDecoder:
     def forward_in_place(self, input_ids, attention_mask, cache, **options):
         self.calls.append(input_ids.shape)
         return self.inner.forward_in_place(input_ids, attention_mask, cache, **options)
-
-    def forward_rests(self, input_ids, attention_mask, past_lengths, cache, **options):
-        self.calls.append(input_ids.shape)
-        self.rest_calls.append(input_ids.shape)
-        return self.inner.rests.forward(input_ids, attention_mask, past_lengths, cache, **options)
-
-
-class _Rests:
-    def __init__(self, owner: CountingDecoder):
-        self.owner = owner
-
-    def forward(self, *args, **options):
-        return self.owner.forward_rests(*args, **options)
 
 
 def fail_choice_after(seq: Sequence, tokens: int, message: str = "the logits are not finite") -> None:

@@ -255,22 +255,9 @@ class EngineCore:
             self.running += group  # the cache's new rows, in order
             parts.append(logits)
             computed, padding = computed + group_computed, padding + group_padding
-        together = self._rests_together(unique, hits)
-        if together:
-            try:
-                logits, rest, rest_padding = self.cache.prefill_rests(
-                    [s.prompt_ids for s in together], [s.reserved_tokens() for s in together],
-                    [hits[id(s)].tokens(self.prefix.block_tokens) for s in together],
-                    [partial(self.prefix.load, hits[id(s)]) for s in together], [s.adapter for s in together])
-                self.running += together
-                parts.append(logits)
-                computed, padding = computed + rest, padding + rest_padding
-            except Exception:  # noqa: BLE001 - each one alone below, where a bad one fails by itself
-                together = []
-        prefilled_together = {id(s) for s in together}
         for seq in unique:
             hit = hits.get(id(seq))
-            if not hit or id(seq) in prefilled_together:
+            if not hit:
                 continue
             fill = partial(self.prefix.load, hit)
             try:
@@ -318,14 +305,6 @@ class EngineCore:
             return len(seq.prompt_ids)
         return len(seq.prompt_ids) - self.prefix.found_tokens(seq.prompt_ids, seq.prefix_salt)
 
-    def _rests_together(self, unique: list[Sequence], hits: dict) -> list[Sequence]:
-        """The prompts found in part in the prefix cache whose rests one call prefills (the rest graph): two or
-        more, not scored (a scored prompt needs every position's logits)."""
-        if not getattr(self.cache, "prefills_rests", False):
-            return []
-        found = [s for s in unique if hits.get(id(s)) and hits[id(s)].whole is None and not s.params.prompt_logprobs]
-        return found if len(found) > 1 else []
-
     def _prefill_after_hit(self, seq: Sequence, hit, fill) -> tuple[np.ndarray, int]:
         """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions
         computed. A prompt scored recomputes the last cached position too: its logits score the first token not
@@ -337,7 +316,7 @@ class EngineCore:
                 seq.prompt_logprobs = hit.scores()
             return hit.whole.logits[None], 0
         cached = hit.tokens(self.prefix.block_tokens)
-        if not scoring:  # after a cached prefix, the rest of the prompt alone
+        if not scoring:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
             logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill,
                                                       adapter=seq.adapter)
             return logits, rest

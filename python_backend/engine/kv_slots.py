@@ -148,46 +148,6 @@ class SlotKVCache:
         self.reserved = np.append(self.reserved, reserved)
         return (logits[0] if all_positions else logits[:, -1]), len(prompt) - cached, 0
 
-    @property
-    def prefills_rests(self) -> bool:
-        """Whether several prompts' rests after their cached prefixes go in one call (the decoder's rest graph)."""
-        return getattr(self.decoder, "rests", None) is not None
-
-    def prefill_rests(self, prompts: list[list[int]], reserved: list[int], cached: list[int], fills: list,
-                      adapters: list | None = None) -> tuple[np.ndarray, int, int]:
-        """Prompts into the next free slots, each with its first ``cached[i]`` tokens written by ``fills[i](row)``
-        (a prefix cache's blocks), and their rests prefilled together, right-padded, by the rest graph, whose new
-        keys and values are written after each row's past. Returns each prompt's last-position logits [rows,
-        vocab], the positions computed and the padding among them."""
-        start, rows = self.size, len(prompts)
-        adapters = adapters or [None] * rows
-        cached = np.asarray(cached, np.int64)
-        lengths = np.array([len(p) for p in prompts], np.int64)
-        if start + rows > self.slots or max(reserved) > self.max_len or not (0 < cached).all() \
-                or not (cached < lengths).all():
-            raise ValueError(f"cannot prefill {rows} prompts' rests from slot {start}")
-        rests = lengths - cached
-        longest = int(rests.max())
-        input_ids = np.zeros((rows, longest), np.int64)
-        for row, (prompt, skip) in enumerate(zip(prompts, cached)):
-            input_ids[row, : rests[row]] = prompt[skip:]
-        mask = (np.arange(longest)[None, :] < rests[:, None]).astype(np.int64)
-        try:
-            for row, fill in enumerate(fills):
-                fill(self._rows(start + row, start + row + 1))
-            logits, new = self.decoder.rests.forward(input_ids, mask, cached, self._rows(start, start + rows),
-                                                     **self._adapter_inputs(adapters))
-            for buffer, written in zip(self._buffers, new):
-                for row in range(rows):
-                    buffer[start + row, :, cached[row]: lengths[row]] = written[row, :, : rests[row]]
-        except Exception:
-            self.release(range(start, start + rows))
-            raise
-        self.adapters += adapters
-        self.lengths = np.concatenate([self.lengths, lengths])
-        self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
-        return logits, rows * longest, rows * longest - int(rests.sum())
-
     def adopt(self, length: int, reserved: int, fill, adapter=None) -> None:
         """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix
         cache holds entire): nothing is computed."""

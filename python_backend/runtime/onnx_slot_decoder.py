@@ -13,8 +13,7 @@ the cache is preallocated, one slot per row, and never copied by a step (python_
 the slots). What onnxruntime's CPU kernel takes (seen with onnxruntime 1.32, docs/architecture.md):
 - a first prompt: any number of rows, right-padded, ``new == total`` (the mask's ones mark each row's tokens);
 - a decode step: one new token per row, any rows, each with its own length;
-- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time; several rows'
-  rests go through the rest graph beside this one instead (``self.rests``: onnx_rest_decoder.py), where built.
+- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import onnxruntime as ort
 from python_backend.runtime.decoder import CacheShape, HostTensors, TorchTensors
 from python_backend.lora import graph_targets
 from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
-from python_backend.runtime.onnx_rest_decoder import RestDecoder
 
 FUSED_ATTENTION_OP = "GroupQueryAttention"
 ALL_POSITIONS_INPUT = "logits_all_positions"  # scripts/prepare/fused_graph.py
@@ -52,12 +50,9 @@ class OnnxSlotDecoder:
     tensors = HostTensors()
 
     def __init__(self, model_path: str | os.PathLike, intra_op_threads: int = 0,
-                 session: ort.InferenceSession | None = None, rest_graph: bool = True):
+                 session: ort.InferenceSession | None = None):
         self.session = session or cpu_session(model_path, intra_op_threads)
         self.cache_shape: CacheShape = graph_cache_shape(self.session)
-        # prompts' rests after a cached prefix, many rows at once (the rest graph beside this one, where built)
-        self.rests = RestDecoder.beside(model_path, self.cache_shape, intra_op_threads) \
-            if rest_graph and model_path is not None else None
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         self.vocab_size = int(logits.shape[-1])
         self._past_names = self.cache_shape.cache_names()

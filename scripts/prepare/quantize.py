@@ -22,9 +22,7 @@ A model the fused graph cannot take (sliding-window layers: fused_graph.refusal)
 own graph instead (its padded cache: no prefix caching), said in the build's log and the folder's settings; int4 and
 fast are refused.
 A variant on the fused graph also gets ``onnx/model.lora.onnx``: the same graph with LoRA adapter inputs on each
-projection, reading the same weights file (scripts/prepare/lora_graph.py), which a server with adapters loads; and
-for each of the two a rest graph (``model.rests.onnx``, ``model.lora.rests.onnx``: scripts/prepare/rest_graph.py),
-which prefills several prompts' rests after their cached prefixes in one call.
+projection, reading the same weights file (scripts/prepare/lora_graph.py), which a server with adapters loads.
 The choices (block size, symmetric or not, LM head, accuracy level) were made by measurement: docs/models.md,
 docs/performance.md.
 """
@@ -48,15 +46,14 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
-from python_backend.model_files import ADAPTER_ONNX_FILE, ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
+from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from python_backend.lora import BaseShapes  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import (block_quantization, fused_graph, gguf_grid, lora_graph, rest_graph,  # noqa: E402
-                             source_grid)
+from scripts.prepare import block_quantization, fused_graph, gguf_grid, lora_graph, source_grid  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 8  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 7  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
@@ -266,11 +263,6 @@ def build_variant(source: Path, output: Path, recipe: Recipe, graph: str = FUSED
     shapes = lora_shapes(source) if graph == FUSED else None
     if shapes is not None:  # LoRA adapters per row: the same graph with adapter inputs, on the same weights file
         lora_graph.write_adapter_graph(output, shapes)
-    if graph == FUSED:  # prompts' rests after a cached prefix, many rows at once, for each of those graphs
-        for written in (output / ONNX_FILE, output / ADAPTER_ONNX_FILE):
-            if written.is_file() and rest_graph.write(written) is None:
-                log(f"no rest graph for {written}: {rest_graph.unsupported(onnx.load(str(written), False))}; "
-                    "prompts' rests after a cached prefix are prefilled one row at a time")
     return stats
 
 
