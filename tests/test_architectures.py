@@ -73,3 +73,32 @@ def test_a_sliding_window_the_fused_graph_leaves_out_caps_the_fused_variants_con
     assert context_of("mistral-wide", tf.MistralConfig(sliding_window=8192).to_dict(), "fp32") == 4096
     for fused in ("llama", "mistral-wide", "qwen2"):
         assert quantize.variant_graph(tmp_path / fused, quantize.RECIPES["fp32"])[0] == quantize.FUSED
+
+
+def test_a_model_class_the_builder_does_not_take_is_refused_before_any_work(tmp_path, capsys):
+    """OLMo 2: onnxruntime-genai's builder has no Olmo2ForCausalLM, so `fast` and `int4` are refused from the config
+    in a moment, naming it and what the builder takes, with nothing written; fp32 and fp16 go to the export's graph."""
+    import json
+
+    import transformers as tf
+
+    from python_backend.model_files import SETTINGS_FILE
+    from scripts.prepare import fused_graph, quantize
+    from scripts.prepare.build_marks import EXPORT_MARK
+
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"} <= fused_graph.builder_architectures()
+    export = tmp_path / "olmo2"
+    (export / "hf").mkdir(parents=True)
+    (export / "hf" / "config.json").write_text(tf.Olmo2Config(architectures=["Olmo2ForCausalLM"]).to_json_string())
+    (export / SETTINGS_FILE).write_text(json.dumps({"max_position_embeddings": 4096, "eos_token_ids": [2]}))
+    (export / EXPORT_MARK).write_text("{}")
+    why = fused_graph.refusal(export / "hf", "fast")
+    assert "Olmo2ForCausalLM" in why and "LlamaForCausalLM" in why and "QUANT=fp32" in why
+    assert quantize.main(["--quant", "fast", "--source", str(export)]) == 1
+    assert "Olmo2ForCausalLM" in capsys.readouterr().err and not (tmp_path / "olmo2-fast").exists()
+    assert quantize.variant_graph(export, quantize.RECIPES["fp32"])[0] == quantize.EXPORT
+    assert outcome(1, why) == "refused: not in onnxruntime-genai's builder"
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(tf.LlamaConfig(architectures=["LlamaForCausalLM"]).to_json_string())
+    assert fused_graph.refusal(llama, "fast") is None

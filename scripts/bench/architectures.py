@@ -68,7 +68,8 @@ def run(command: list[str]) -> tuple[int, str]:
 PARITY_LINES = (r"max \|Δ logits\| = ([0-9.e+-]+) .*?on the load-test prompts (\d+)/(\d+) over",
                 r"max \|Δ logits\| ([0-9.e+-]+); greedy identical (\d+)/(\d+) over")
 REFUSALS = ((r"exact only for weights already on a 4-bit grid", "refused: off its grid"),
-            (r"has sliding-window layers", "refused: sliding window"))
+            (r"has sliding-window layers", "refused: sliding window"),
+            (r"model builder does not take", "refused: not in onnxruntime-genai's builder"))
 
 
 def outcome(code: int, log: str) -> str:

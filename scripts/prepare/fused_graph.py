@@ -6,12 +6,15 @@ which appends to a KV buffer in place (python_backend/runtime/onnx_slot_decoder.
 ``SkipSimplifiedLayerNormalization``; one packed QKV MatMul per layer. Its LM head is then given each row's last
 position only (``logits_of_last_positions``). scripts/prepare/quantize.py then puts each variant's weights in it.
 The builder supports the architectures onnxruntime-genai lists (Llama, Mistral, Qwen, Phi, Gemma, ...); another
-model fails here with the builder's message.
+(OLMo 2) is refused from its config before any work (``refusal``), and its fp32 and fp16 are built on the export's
+own graph instead.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,12 +43,35 @@ def build(hf_dir: Path) -> onnx.ModelProto:
     return model
 
 
+@functools.lru_cache(maxsize=1)
+def builder_architectures() -> frozenset[str]:
+    """The model classes the installed builder dispatches on (``config.architectures[0] == "..."`` in its source),
+    read from the builder itself so that an upgrade brings its new ones; empty if that source cannot be read."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(BUILDER)
+    try:
+        source = Path(spec.origin).read_text() if spec and spec.origin else ""
+    except OSError:
+        source = ""
+    return frozenset(re.findall(r'architectures\[0\] == "(\w+)"', source))
+
+
 def refusal(hf_dir: Path, variant: str) -> str | None:
     """Why the fused graph cannot serve this model, from its config before any work (None: nothing known against
-    it). Sliding-window layers (Gemma 2's, alternate layers): the builder gives their GroupQueryAttention a local
-    window, which onnxruntime runs only on a cache holding the whole window per row; on the slot cache the parity
-    check failed inside the kernel (a tiny Gemma 2, 2026-12-02: window 32, and window 4096 on a 64-token cache)."""
+    it). A model class the builder does not take (OLMo 2's): it would fail minutes in, after the export. Sliding-window
+    layers (Gemma 2's, alternate layers): the builder gives their GroupQueryAttention a local window, which
+    onnxruntime runs only on a cache holding the whole window per row; on the slot cache the parity check failed
+    inside the kernel (a tiny Gemma 2, 2026-12-02: window 32, and window 4096 on a 64-token cache)."""
     config = json.loads((hf_dir / "config.json").read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    supported = builder_architectures()
+    if supported and architecture and architecture not in supported:
+        causal = sorted(a for a in supported if a.endswith("ForCausalLM"))
+        return (f"{variant} is built on onnxruntime-genai's fused graph, whose model builder does not take "
+                f"{architecture} ({config.get('model_type')}); it takes {', '.join(causal)} (and multimodal "
+                "classes). Nothing was built. Serve QUANT=fp32 (exact) or fp16: for such a model they are built "
+                "on the export's own graph")
     if "sliding_attention" not in (config.get("layer_types") or []):
         return None
     return (f"{variant} is built on onnxruntime-genai's fused graph, whose sliding-window attention does not run on "
