@@ -16,6 +16,8 @@ def test_each_cell_is_read_from_the_builds_own_lines():
     assert outcome(0, EXPORT_LINE) == "built: 6.3e-06, 42/42"
     assert outcome(0, VARIANT_LINE) == "built: 0.034, 40/42"
     assert outcome(1, VARIANT_LINE) == "FAILED: 0.034, 40/42"
+    assert outcome(0, "[quantize] fp32: built on the export's own graph (its padded cache: no prefix caching), as ...\n"
+                      + VARIANT_LINE) == "built: 0.034, 40/42 (on the export's graph)"
     assert outcome(1, "[quantize] int4 is exact only for weights already on a 4-bit grid in blocks of 32 (GGUF "
                       "...)") == "refused: off its grid"
     assert outcome(1, "[quantize] fast is built on ...: gemma2 has sliding-window layers (sliding_window 32).") == (

@@ -1,6 +1,8 @@
 """Which architectures each weight variant serves: tiny random models of the architectures people bring (SmolLM2's
 tokenizer, a few layers, random weights large enough that every token depends on the prompt), each exported and built
-as every variant, with each build's parity line or refusal. Prints the table docs/models.md shows.
+as every variant, with each build's parity line or refusal, and its `fp32` variant (what `make serve` builds by
+default) served by a real tritonserver, its greedy tokens compared with transformers'. Prints the table docs/models.md
+shows.
 
     python -m scripts.bench.architectures [--work build/architectures] [--only qwen2 gemma2]
 
@@ -18,7 +20,11 @@ from pathlib import Path
 
 from scripts.paths import PROJECT_ROOT
 
-VARIANTS = ("fp16", "fast", "int4")
+VARIANTS = ("fp32", "fp16", "fast", "int4")
+SERVED_PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):", "Name three ports in Europe."]
+SERVED_TOKENS = 24
+# The server stops at end_id and transformers at eos_token_id: one id for both (tests/test_tiny_model.py)
+END_ID = 49151
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.2)
 
@@ -77,7 +83,8 @@ def outcome(code: int, log: str) -> str:
     for pattern in PARITY_LINES:
         if found := re.search(pattern, log):
             delta, same, total = found.groups()
-            return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}"
+            graph = " (on the export's graph)" if "built on the export's own graph" in log else ""
+            return f"{'built' if code == 0 else 'FAILED'}: {float(delta):.2g}, {same}/{total}{graph}"
     for pattern, label in REFUSALS:
         if re.search(pattern, log):
             return label
@@ -85,6 +92,33 @@ def outcome(code: int, log: str) -> str:
         return f"refused: {found.group(0)[:80]}"
     last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
     return f"failed (exit {code}): {last[0][:100]}"
+
+
+def served(source: Path, variant: Path, tokenizer, log_path: Path) -> str:
+    """The variant served by a real tritonserver: on how many prompts its greedy text (raw prompts, no template) is
+    transformers' own fp32 eager generate() on the source folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from python_backend.model_files import MODEL_DIR_ENV
+    from scripts.clients.llm_client import GenerateClient
+    from scripts.eval.peft_reference import greedy_ids
+    from scripts.launcher.triton_server import running_server
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
+    same = 0
+    try:
+        with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(variant)}) as ports:
+            client = GenerateClient(f"127.0.0.1:{ports.http}")
+            for prompt in SERVED_PROMPTS:
+                expected = greedy_ids(model, tokenizer(prompt).input_ids, SERVED_TOKENS, [END_ID], eos_token_id=END_ID)
+                completion = client.complete({"text_input": prompt, "max_tokens": SERVED_TOKENS, "end_id": END_ID,
+                                              "apply_chat_template": False})
+                same += 0 < completion.output_tokens == len(expected) and completion.text == tokenizer.decode(
+                    expected, skip_special_tokens=True)
+    except Exception as error:  # noqa: BLE001 - a cell of the table, with the server's log kept
+        return f"failed: {type(error).__name__} (log: {log_path})"
+    return f"{same}/{len(SERVED_PROMPTS)} token-exact"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in VARIANTS:
             cells.append(outcome(*run(["scripts.prepare.quantize", "--quant", variant, "--source", str(export),
                                         "--force"])) if code == 0 else "-")
+        fp32 = args.work / f"{slug}-export-fp32"
+        cells.append(served(source, fp32, tokenizer, args.work / f"{slug}-server.log")
+                     if cells[1].startswith("built") else "-")
         rows.append((name, cells))
         print(f"{name}: {' | '.join(cells)}", file=sys.stderr, flush=True)
-    print("| architecture | fp32 (the export) | " + " | ".join(VARIANTS) + " |")
-    print("| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " |")
+    print("| architecture | the export | " + " | ".join(VARIANTS) + f" | `fp32` served ({SERVED_TOKENS} tokens) |")
+    print("| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " | --- |")
     for name, cells in rows:
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0

@@ -9,7 +9,8 @@ llama.cpp's server on the same file, in one run.
    llama-server by scripts/bench/peers.py (once, ~8 minutes). The model's rows are 576 wide, not whole super-blocks
    of 256, so llama-quantize puts most tensors of a K-quant preset in its fallback types (Q5_0, Q8_0), as it does for
    the files on the hub.
-2. Each file exported (fp32) and built as `int4` and `fast`: build time, model size, the parity report's greedy
+2. Each file exported and built as `fp32` (the default), `int4` and `fast`: build time (the export's said apart, as
+   every variant of the file shares it), model size, the parity report's greedy
    agreement with the file's own fp32 PyTorch (42 load-test prompts x 64 tokens) and what the build made of each
    tensor type, or the refusal.
 3. Each built variant served (tritonserver, scripts/bench/variant_benchmark.py's measure): the workload's requests one
@@ -35,6 +36,7 @@ from scripts.paths import BUILD_DIR, EXPORT_DIR, PROJECT_ROOT
 from scripts.prepare.quantize import variant_dir
 
 OUTPUT = BUILD_DIR / "gguf"
+VARIANTS = ("fp32", "int4", "fast")
 
 
 def log(message: str) -> None:
@@ -76,10 +78,11 @@ def build(kind: str, path: Path) -> tuple[Path, dict]:
     builds = {}
     code, seconds, err = timed([sys.executable, "-m", "scripts.prepare.export_onnx", "--source", path, "--output",
                                 export])
-    builds["fp32"] = {"seconds": seconds, "exit": code, "message": err.strip().splitlines()[-1] if err else ""}
+    builds["export"] = {"seconds": seconds, "exit": code, "message": err.strip().splitlines()[-1] if err else ""}
     if code:
         raise SystemExit(f"the export of {path} failed:\n{err}")
-    for variant in ("int4", "fast"):
+    log(f"{kind} export: {seconds:.0f} s")
+    for variant in VARIANTS:
         code, seconds, err = timed([sys.executable, "-m", "scripts.prepare.quantize", "--quant", variant, "--source",
                                     export])
         lines = [line for line in err.splitlines() if line.startswith("[quantize]")]
@@ -114,8 +117,10 @@ def llama_row(kind: str, path: Path, requests, prompts, reference_ids, reference
             "identical": one["identical"]}
 
 
-def table(rows: list[dict], n: int) -> str:
-    lines = [f"| file | runner | build (s) | model (MB) | greedy identical to the file's fp32 (42 x 64 tokens) | one "
+def table(rows: list[dict], n: int, exports: dict[str, float]) -> str:
+    lines = [f"The export of each file (`make model SOURCE=...`, before any variant): "
+             + ", ".join(f"{kind} {seconds:.0f} s" for kind, seconds in exports.items()) + ".", "",
+             f"| file | runner | variant build (s) | model (MB) | greedy identical to the file's fp32 (42 x 64 tokens) | one "
              f"stream tok/s | {n} at once tok/s | TTFT p50 (s) | identical on this workload |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -140,16 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     files = make_files(args.types.split(","))
     requests = workload(args.requests)
     prompts = peers.prompt_ids(requests)
-    rows = []
+    rows, exports = [], {}
     for kind, path in files.items():
         export, builds = build(kind, path)
+        exports[kind] = builds["export"]["seconds"]
         reference_ids = peers.fp32_reference(requests, prompts, cache=OUTPUT / f"reference-{kind}.json",
                                              greedy=peers.fp32_greedy(export / "hf"))
         reference = [peers.project_tokenizer().decode(ids) for ids in reference_ids]
-        for variant in ("fp32", "int4", "fast"):
+        for variant in VARIANTS:
             rows.append(variant_row(kind, variant, export, builds, requests, args.repeats, reference))
         rows.append(llama_row(kind, path, requests, prompts, reference_ids, reference))
-        print(table(rows, args.requests), flush=True)
+        print(table(rows, args.requests, exports), flush=True)
     (OUTPUT / "results.json").write_text(json.dumps(rows, indent=2))
     log(f"wrote {OUTPUT / 'results.json'}")
     return 0
