@@ -17,8 +17,8 @@ While live work is about (continuous), background work is also held to ``backgro
 
 Every strategy prefills at most ``max_prefill_tokens`` prompt tokens per step, in chunks of similar prompt length;
 a group (dynamic, static) decodes once all of it is prefilled. A prompt's tokens are the ones to compute: with prefix
-caching, those the cache does not hold (the core's ``cost``), so that many prompts behind a cached instruction are
-prefilled in one step, their rests together.
+caching, those the cache does not hold (the core's ``cost``), so that the rests of many prompts behind a cached
+instruction are prefilled in the step that admits them, not one a step between decode steps.
 """
 
 from __future__ import annotations
