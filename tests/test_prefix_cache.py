@@ -105,6 +105,7 @@ def test_prompts_behind_a_cached_prefix_are_prefilled_in_one_step_to_the_same_to
     counts = (core.prefix.queried_tokens, core.prefix.hit_tokens)
     found = [core.prefix.found_tokens(p) for p in prompts[1:]]  # what the budget leaves out: a look, not a lookup
     assert (core.prefix.queried_tokens, core.prefix.hit_tokens) == counts and min(found) > 0
+    assert core.prefix.found_tokens(prompts[1], scores_top=1) == 0  # a prompt to score needs blocks with scores
     assert run(core, sequences(prompts[1:])) == without_reuse[1:]
     rests = sorted((1, len(p) - f) for p, f in zip(prompts[1:], found))
     assert sorted(counting.calls[:len(rests)]) == rests  # the five rests first, before the first decode step

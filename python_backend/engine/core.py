@@ -303,7 +303,7 @@ class EngineCore:
         prefill budget counts these)."""
         if self.prefix is None:
             return len(seq.prompt_ids)
-        return len(seq.prompt_ids) - self.prefix.found_tokens(seq.prompt_ids, seq.prefix_salt)
+        return len(seq.prompt_ids) - self.prefix.found_tokens(seq.prompt_ids, seq.prefix_salt, _scores_top(seq))
 
     def _prefill_after_hit(self, seq: Sequence, hit, fill) -> tuple[np.ndarray, int]:
         """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions

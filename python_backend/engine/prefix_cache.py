@@ -111,26 +111,9 @@ class PrefixCache:
         """Full blocks of a prompt found in part that may come from the cache (MIN_SUFFIX tokens are computed)."""
         return max(0, (len(prompt) - MIN_SUFFIX) // self.block_tokens)
 
-    def found_tokens(self, prompt: list[int], salt: str = "") -> int:
-        """How many of the prompt's leading tokens a match would find now (all of them for a prompt held whole), without
-        marking anything used or counting a query: what the scheduler's prefill budget does not count."""
-        last_key, found = self._root(salt), 0
-        for key, tokens in self._chain(prompt, salt, len(prompt) // self.block_tokens):
-            block = self._blocks.get(key)
-            if block is None or block.tokens != tokens:
-                break
-            found, last_key = found + 1, key
-        if found == len(prompt) // self.block_tokens:
-            key, tail = self._whole_key(prompt, last_key)
-            whole = self._blocks.get(key)
-            if whole is not None and whole.tokens == tail and whole.logits is not None:
-                return len(prompt)
-        return min(found, self.usable_blocks(prompt)) * self.block_tokens
-
-    def match(self, prompt: list[int], salt: str = "", scores_top: int | None = None) -> PrefixHit:
-        """The prompt whole, else the longest run of its leading blocks held under this salt (marked recently
-        used); counts the prompt as queried and what was found as hit. A prompt to score (scores_top: its top
-        count) matches only entries that hold scores."""
+    def _find(self, prompt: list[int], salt: str, scores_top: int | None) -> PrefixHit:
+        """What the cache holds of the prompt now, touching nothing: the whole prompt, else its usable leading
+        blocks. A prompt to score (scores_top: its top count) finds only entries that hold scores."""
         found, last_key = [], self._root(salt)
 
         def usable(block: Block | None, tokens) -> bool:
@@ -151,10 +134,23 @@ class PrefixCache:
                 hit.whole = whole
         if hit.whole is None:
             del found[self.usable_blocks(prompt):]
-        for block in found + ([hit.whole] if hit.whole else []):
+        return hit
+
+    def found_tokens(self, prompt: list[int], salt: str = "", scores_top: int | None = None) -> int:
+        """How many of the prompt's leading tokens a match would find now (all of them for a prompt held whole),
+        without marking anything used or counting a query: what the scheduler's prefill budget does not count."""
+        hit = self._find(prompt, salt, scores_top)
+        return len(prompt) if hit.whole else len(hit.blocks) * self.block_tokens
+
+    def match(self, prompt: list[int], salt: str = "", scores_top: int | None = None) -> PrefixHit:
+        """The prompt whole, else the longest run of its leading blocks held under this salt (marked recently
+        used); counts the prompt as queried and what was found as hit. A prompt to score (scores_top: its top
+        count) matches only entries that hold scores."""
+        hit = self._find(prompt, salt, scores_top)
+        for block in hit.blocks + ([hit.whole] if hit.whole else []):
             self._blocks.move_to_end(block.key)
         self.queried_tokens += len(prompt)
-        self.hit_tokens += len(prompt) if hit.whole else len(found) * self.block_tokens
+        self.hit_tokens += len(prompt) if hit.whole else len(hit.blocks) * self.block_tokens
         return hit
 
     def load(self, hit: PrefixHit, row: list[np.ndarray]) -> None:
