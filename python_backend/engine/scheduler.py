@@ -137,17 +137,21 @@ def _prompt_length(sequence: Sequence) -> int:
 def length_sorted_chunks(sequences: list[Sequence], max_padding: float = PREFILL_MAX_PADDING,
                          cost=_prompt_length) -> list[list[Sequence]]:
     """Splits a prefill into chunks of similar length to compute (cost), so that padding stays under
-    ``max_padding`` of each chunk's computed positions."""
+    ``max_padding`` of each chunk's computed positions. Each sequence's cost is asked once (a prefix-cache look)."""
+    sizes = {id(s): cost(s) for s in sequences}
     chunks: list[list[Sequence]] = []
-    for seq in sorted(sequences, key=cost, reverse=True):
+    real = 0  # the last chunk's tokens to compute
+    for seq in sorted(sequences, key=lambda s: sizes[id(s)], reverse=True):
+        size = sizes[id(seq)]
         if chunks:
             chunk = chunks[-1]
-            longest = cost(chunk[0])
-            real = sum(cost(s) for s in chunk) + cost(seq)
-            if (len(chunk) + 1) * longest - real <= max_padding * (len(chunk) + 1) * longest:
+            longest = sizes[id(chunk[0])]
+            if (len(chunk) + 1) * longest - (real + size) <= max_padding * (len(chunk) + 1) * longest:
                 chunk.append(seq)
+                real += size
                 continue
         chunks.append([seq])
+        real = size
     return chunks
 
 
@@ -178,16 +182,18 @@ class Scheduler:
         """Pops this step's prefill from the front of ``admitted`` (at most max_prefill_tokens prompt tokens, at least
         one sequence, so that no strategy's step runs unbounded while cancellations and the decode wait), in
         chunks of similar prompt length, more urgent priorities first."""
-        taken, tokens, cost = [], 0, cost or _prompt_length
+        taken, tokens, cost, sizes = [], 0, cost or _prompt_length, {}
         while admitted:
             size = cost(admitted[0])
             if taken and tokens + size > self.config.max_prefill_tokens:
                 break
+            sizes[id(admitted[0])] = size
             taken.append(admitted.pop(0))
             tokens += size
         # The most urgent first: a live request's first token does not wait for batch lines' prefill.
         return [chunk for priority in sorted({s.priority for s in taken})
-                for chunk in length_sorted_chunks([s for s in taken if s.priority == priority], cost=cost)]
+                for chunk in length_sorted_chunks([s for s in taken if s.priority == priority],
+                                                  cost=lambda s: sizes[id(s)])]
 
     def should_decode(self, running: list[Sequence], admitted: list[Sequence]) -> bool:
         """Whether the running batch decodes at this step: a group (dynamic, static) once all of it is prefilled,
@@ -224,26 +230,27 @@ class Scheduler:
                 adapter_waits = True
                 skipped.append(waiting.popleft())
                 continue
+            size = cost(candidate)  # its prompt tokens to compute (a prefix-cache look: asked once)
             if candidate.priority > 0:  # the queue is ordered by priority: only background work is left
                 if background_taken >= background_room:
                     break
                 if (background_tokens is not None and background_taken
-                        and background_prompt_tokens + cost(candidate) > background_tokens):
+                        and background_prompt_tokens + size > background_tokens):
                     break
             if bucket is not None and self._bucket(candidate) != bucket:
                 skipped.append(waiting.popleft())
                 continue
-            if taken and prefill_tokens is not None and prompt_tokens + cost(candidate) > prefill_tokens:
+            if taken and prefill_tokens is not None and prompt_tokens + size > prefill_tokens:
                 break
             if cache_bound(c.kv_layout, running + taken + [candidate], cache_len) > c.kv_budget_tokens:
                 break
             taken.append(waiting.popleft())
-            prompt_tokens += cost(candidate)
+            prompt_tokens += size
             if candidate.adapter is not None:
                 adapters.add(candidate.adapter.key)
             if candidate.priority > 0:
                 background_taken += 1
-                background_prompt_tokens += cost(candidate)
+                background_prompt_tokens += size
         waiting.extendleft(reversed(skipped))
         return taken
 
