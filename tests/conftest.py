@@ -20,8 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def pytest_configure(config):
     """`make test` runs the suite on parallel workers (pytest-xdist), which share the machine's cores: each worker's
-    in-process onnxruntime sessions and torch take its share of them rather than one thread per core each, which
-    oversubscribes the cores (the fast suite on 2 cores and 2 workers: 82 s with a thread per core, 64 s with one)."""
+    in-process onnxruntime sessions and torch, and the servers it starts, take its share of them rather than one
+    thread per core each, which oversubscribes the cores (the fast suite on 2 cores and 2 workers: 82 s with a thread
+    per core, 64 s with one; six server files: 131 s and 215 s of CPU with the servers' thread per core, 117 s and
+    162 s with one). The servers and other processes a worker starts inherit $TRITON_LLM_INTRA_OP_THREADS."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         import torch
@@ -30,6 +32,7 @@ def pytest_configure(config):
 
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         onnx_decoder.DEFAULT_INTRA_OP_THREADS = threads
+        os.environ[onnx_decoder.INTRA_OP_THREADS_ENV] = str(threads)
         torch.set_num_threads(threads)
 
 
@@ -236,9 +239,6 @@ def _server_source(item) -> str | None:
     return "the test itself" if _starts_a_server(item.function) else None
 
 
-_UNMARKED = pytest.StashKey[str]()
-
-
 # The files that take longest, longest first (their summed --durations in a `make test` on the 2-core machine, in
 # seconds: docs/testing.md). `make test` hands whole files to whichever worker is free, in collection order
 # (`--dist loadfile --no-loadscope-reorder`): a long file that came last would run alone at the end. xdist's own
@@ -268,18 +268,18 @@ def longest_first(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    for item in items:
-        source = _server_source(item) if isinstance(item, pytest.Function) else None
-        if source is not None and not item.get_closest_marker("server"):
-            item.stash[_UNMARKED] = source
     longest_first(items)
 
 
 @pytest.hookimpl(tryfirst=True)  # before its fixtures start anything
 def pytest_runtest_setup(item):
-    if _UNMARKED in item.stash:
-        pytest.fail(f"{item.nodeid} starts a tritonserver ({item.stash[_UNMARKED]}) but has no `server` marker: "
+    """The `server` marker's check, on the tests that run without it (reading a test's sources is the costly part:
+    checked here, a worker reads only the files it runs, and a marked test needs no look)."""
+    if item.get_closest_marker("server") or not isinstance(item, pytest.Function):
+        return
+    source = _server_source(item)
+    if source is not None:
+        pytest.fail(f"{item.nodeid} starts a tritonserver ({source}) but has no `server` marker: "
                     "add `pytestmark = pytest.mark.server` to its file, or @pytest.mark.server to the test",
                     pytrace=False)

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from http.server import ThreadingHTTPServer
 
 import numpy as np
@@ -61,6 +62,14 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str
 
 
 # --- a running server ---
+
+def at_once(*calls) -> list:
+    """Each call's result, the calls made at once, each on its own thread: requests a server runs as one batch (which
+    changes no answer: tests/test_streaming.py), instead of one after another."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [future.result() for future in futures]
+
 
 @contextlib.contextmanager
 def http_stub(handler):

@@ -76,6 +76,18 @@ def test_choose_next_reads_host_logits_from_either_path(device_decoder, prompts)
     assert not failed and list(tokens) == [int(np.argmax(row)) for row in logits]
 
 
+def test_sessions_take_the_environments_thread_count_where_the_config_names_none(monkeypatch):
+    from python_backend.runtime import onnx_decoder
+
+    assert [onnx_decoder.threads_from_environment(environ) for environ in (
+        {}, {"TRITON_LLM_INTRA_OP_THREADS": ""}, {"TRITON_LLM_INTRA_OP_THREADS": " 3 "})] == [0, 0, 3]
+    with pytest.raises(ValueError, match="TRITON_LLM_INTRA_OP_THREADS must be a whole number of threads.*'two'"):
+        onnx_decoder.threads_from_environment({"TRITON_LLM_INTRA_OP_THREADS": "two"})
+    monkeypatch.setattr(onnx_decoder, "DEFAULT_INTRA_OP_THREADS", 3)
+    assert onnx_decoder.session_options(0).intra_op_num_threads == 3  # the config's 0
+    assert onnx_decoder.session_options(2).intra_op_num_threads == 2  # the config's own count wins
+
+
 def test_the_factory_opens_the_cpu_runtimes(model_dir):
     plain = open_decoder(RuntimeSettings(), model_dir, LIMITS, PROJECT_ROOT)
     bound = open_decoder(RuntimeSettings(io_binding=True), model_dir, LIMITS, PROJECT_ROOT)

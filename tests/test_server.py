@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 from scripts.clients.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
 from scripts.launcher.processes import Ports
 from scripts.launcher.triton_server import server_environment
-from tests.helpers import assert_ready, hf_greedy, llm_request, llm_stream, metrics
+from tests.helpers import assert_ready, at_once, hf_greedy, llm_request, llm_stream, metrics
 
 pytestmark = pytest.mark.server
 
@@ -47,16 +48,18 @@ def reference(hf_model, tokenizer, settings):
 
 def test_served_greedy_text_equals_transformers_generate(server, reference, tokenizer):
     client = GrpcClient(grpc_url(server))
-    for prompt in PROMPTS:
-        completion = client.complete({"text_input": prompt, "max_tokens": MAX_TOKENS, "apply_chat_template": True})
+    completions = at_once(*(functools.partial(client.complete, {"text_input": prompt, "max_tokens": MAX_TOKENS,
+                                                                "apply_chat_template": True}) for prompt in PROMPTS))
+    for prompt, completion in zip(PROMPTS, completions, strict=True):
         assert completion.text == tokenizer.decode(reference[prompt]), prompt
         assert completion.output_tokens == len(reference[prompt])
 
 
 def test_llm_model_output_ids_equal_transformers_token_for_token(server, reference, tokenizer):
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, apply_chat_template=True)
-        assert llm_stream(server, llm_request(ids, MAX_TOKENS)) == (reference[prompt], None), prompt
+    requests = [llm_request(tokenizer.encode(prompt, apply_chat_template=True), MAX_TOKENS) for prompt in PROMPTS]
+    answers = at_once(*(functools.partial(llm_stream, server, request) for request in requests))
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer == (reference[prompt], None), prompt
 
 
 def test_http_grpc_and_generate_give_the_same_answer(server):
@@ -79,8 +82,8 @@ def test_repetition_penalty_reaches_the_model_as_transformers_defines_it(server,
     expected = tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS, repetition_penalty=1.5))
     client = GrpcClient(grpc_url(server))
     request = {"text_input": POEM, "max_tokens": MAX_TOKENS, "apply_chat_template": True}
-    plain = client.complete(request).text
-    answer = client.complete({**request, "repetition_penalty": 1.5}).text
+    plain, answer = (c.text for c in at_once(lambda: client.complete(request),
+                                              lambda: client.complete({**request, "repetition_penalty": 1.5})))
     assert plain == tokenizer.decode(hf_greedy(hf_model, settings, ids, MAX_TOKENS))
     assert answer == expected != plain
 
@@ -88,10 +91,11 @@ def test_repetition_penalty_reaches_the_model_as_transformers_defines_it(server,
 def test_top_k_1_at_temperature_1_is_greedy_whatever_the_seed(server):
     client = GrpcClient(grpc_url(server))
     request = {"text_input": POEM, "max_tokens": 24, "apply_chat_template": True}
-    greedy = client.complete(request).text
-    sampled = {seed: client.complete({**request, "temperature": 1.0, "seed": seed}).text for seed in (1, 2, 3)}
-    top_1 = {seed: client.complete({**request, "temperature": 1.0, "top_k": 1, "seed": seed}).text
-             for seed in (1, 2, 3)}
+    seeds = (1, 2, 3)
+    options = [{}] + [{"temperature": 1.0, "seed": seed} for seed in seeds] + [
+        {"temperature": 1.0, "top_k": 1, "seed": seed} for seed in seeds]
+    texts = [c.text for c in at_once(*(functools.partial(client.complete, {**request, **o}) for o in options))]
+    greedy, sampled, top_1 = texts[0], dict(zip(seeds, texts[1:4])), dict(zip(seeds, texts[4:]))
     assert any(text != greedy for text in sampled.values()), "these seeds sample off the greedy path"
     assert all(text == greedy for text in top_1.values()), top_1
 
@@ -102,9 +106,10 @@ def test_text_input_is_the_raw_prompt_unless_the_chat_template_is_asked_for(serv
     raw_ids = tokenizer.encode(text, apply_chat_template=False)
     expected = tokenizer.decode(hf_greedy(hf_model, settings, raw_ids, 16))
     client = GenerateClient(http_url(server))
-    raw = client.complete({"text_input": text, "max_tokens": 16}).text
-    explicit = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": False}).text
-    chat = client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": True}).text
+    raw, explicit, chat = (c.text for c in at_once(
+        lambda: client.complete({"text_input": text, "max_tokens": 16}),
+        lambda: client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": False}),
+        lambda: client.complete({"text_input": text, "max_tokens": 16, "apply_chat_template": True})))
     assert raw == explicit == expected != chat
     assert raw.startswith(" Paris"), raw
 

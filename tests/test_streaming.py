@@ -3,6 +3,7 @@ against the real server."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import shutil
@@ -19,7 +20,7 @@ from scripts.clients.llm_client import (GenerateClient, GenerateStreamClient, Gr
 from tritonclient.utils import InferenceServerException
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
-from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, long_request, metric_samples,
+from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, at_once, long_request, metric_samples,
                            metrics, wait_for, wait_idle)
 
 pytestmark = pytest.mark.server
@@ -30,19 +31,27 @@ STREAM_PROMPTS = [
     "Reply with three emoji that describe summer, then explain them.",
     "Write a Python function that returns the square of a number.",
 ]
-@pytest.mark.parametrize("prompt", STREAM_PROMPTS)
-def test_streamed_deltas_add_up_to_the_unary_answer(server, prompt):
-    request = {"apply_chat_template": True, "text_input": prompt, "max_tokens": 48}
-    unary = GrpcClient(f"127.0.0.1:{server.grpc}").complete(request)
-    grpc_stream = GrpcStreamClient(f"127.0.0.1:{server.grpc}").complete(request)
-    sse = GenerateStreamClient(f"127.0.0.1:{server.http}").complete(request)
-    generate = GenerateClient(f"127.0.0.1:{server.http}").complete(request)
-    assert grpc_stream.text == sse.text == generate.text == unary.text
-    assert grpc_stream.output_tokens == sse.output_tokens == unary.output_tokens
-    assert len(grpc_stream.deltas) > 3 and len(sse.deltas) > 3, "text arrives in several deltas"
-    assert all("\ufffd" not in d for d in grpc_stream.deltas[:-1]), "no broken character mid-stream"
-    if prompt.isascii():
-        assert any(d.startswith(" ") for d in grpc_stream.deltas), "leading spaces are kept"
+PROTOCOLS = {"unary gRPC": GrpcClient, "gRPC stream": GrpcStreamClient, "SSE": GenerateStreamClient,
+             "/generate": GenerateClient}
+
+
+def test_streamed_deltas_add_up_to_the_unary_answer(server):
+    """Each prompt sent on the four protocols, all at once (the engine batches them; a batch changes no answer)."""
+    def complete(prompt, protocol):
+        port = server.http if protocol in ("SSE", "/generate") else server.grpc
+        request = {"apply_chat_template": True, "text_input": prompt, "max_tokens": 48}
+        return PROTOCOLS[protocol](f"127.0.0.1:{port}").complete(request)
+
+    cases = [(prompt, protocol) for prompt in STREAM_PROMPTS for protocol in PROTOCOLS]
+    results = dict(zip(cases, at_once(*(functools.partial(complete, *case) for case in cases)), strict=True))
+    for prompt in STREAM_PROMPTS:
+        unary, grpc_stream, sse, generate = (results[prompt, protocol] for protocol in PROTOCOLS)
+        assert grpc_stream.text == sse.text == generate.text == unary.text, prompt
+        assert grpc_stream.output_tokens == sse.output_tokens == unary.output_tokens, prompt
+        assert len(grpc_stream.deltas) > 3 and len(sse.deltas) > 3, f"text arrives in several deltas: {prompt}"
+        assert all("\ufffd" not in d for d in grpc_stream.deltas[:-1]), f"no broken character mid-stream: {prompt}"
+        if prompt.isascii():
+            assert any(d.startswith(" ") for d in grpc_stream.deltas), f"leading spaces are kept: {prompt}"
 
 
 def test_stream_true_is_refused_by_the_unary_model(server):

@@ -21,9 +21,21 @@ _PAST_KEY = re.compile(r"past_key_values\.(\d+)\.key")
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
-# Threads a session takes when its caller names none (0: onnxruntime's choice, one per core). Processes that share the
-# cores between them, such as the test suite's parallel workers, lower it so that they do not oversubscribe the cores.
-DEFAULT_INTRA_OP_THREADS = 0
+# Threads a session takes when its caller (the llm config's `intra_op_threads`) names none: $TRITON_LLM_INTRA_OP_THREADS,
+# else 0 (onnxruntime's choice, one per core). Processes that share the cores between them, such as servers beside
+# each other on one host or the test suite's parallel workers and their servers, lower it so that they do not
+# oversubscribe the cores: onnxruntime's threads spin while they wait, and on taken cores that spinning is lost work.
+INTRA_OP_THREADS_ENV = "TRITON_LLM_INTRA_OP_THREADS"
+
+
+def threads_from_environment(environ=os.environ) -> int:
+    value = environ.get(INTRA_OP_THREADS_ENV, "").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"{INTRA_OP_THREADS_ENV} must be a whole number of threads (0: one per core), not {value!r}")
+    return int(value)
+
+
+DEFAULT_INTRA_OP_THREADS = threads_from_environment()
 
 
 def cpu_session(model_path: str | os.PathLike, intra_op_threads: int = 0) -> ort.InferenceSession:
