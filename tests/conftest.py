@@ -23,7 +23,9 @@ def pytest_configure(config):
     in-process onnxruntime sessions and torch, and the servers it starts, take its share of them rather than one
     thread per core each, which oversubscribes the cores (the fast suite on 2 cores and 2 workers: 82 s with a thread
     per core, 64 s with one; six server files: 131 s and 215 s of CPU with the servers' thread per core, 117 s and
-    162 s with one). The servers and other processes a worker starts inherit $TRITON_LLM_INTRA_OP_THREADS."""
+    162 s with one). The servers and other processes a worker starts (exports, references in other venvs) inherit
+    the share: $TRITON_LLM_INTRA_OP_THREADS for onnxruntime, $OMP_NUM_THREADS for torch and numpy (four files with
+    exports and references: 144 s with a thread per core, 131 s with one)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         import torch
@@ -32,7 +34,7 @@ def pytest_configure(config):
 
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         onnx_decoder.DEFAULT_INTRA_OP_THREADS = threads
-        os.environ[onnx_decoder.INTRA_OP_THREADS_ENV] = str(threads)
+        os.environ[onnx_decoder.INTRA_OP_THREADS_ENV] = os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
 
