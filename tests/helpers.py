@@ -22,12 +22,13 @@ from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.sequence import Sequence
 from python_backend.model_files import PARITY_REPORT_FILE
 from python_backend.runtime.decoder import ServingLimits
+from scripts.bench.workload import NEVER_WRITTEN
 from scripts.clients.llm_client import GenerateClient, triton_inputs
 from scripts.launcher.server_metrics import read_metrics
 from scripts.paths import MODEL_REPOSITORY
 from scripts.prepare.quantize import variant_dir
 
-NO_EOS = 49151  # an end_id that the model practically never emits: generation runs to max_tokens
+NO_EOS = NEVER_WRITTEN  # as end_id: generation runs to max_tokens
 # A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
 # machine where the client lags the engine, and stays far below the 1000 tokens such a request would otherwise make.
 LEFTOVER_TOKENS = 50

@@ -120,7 +120,8 @@ def test_a_failing_prefill_fails_only_its_request_on_the_server(faulty_server, n
 def test_a_failing_decode_step_ends_every_request_in_the_batch_with_an_error_at_once(faulty_server):
     """No hang: the step fails, every request in its batch gets the error, and the server serves the next one."""
     client = GrpcStreamClient(f"127.0.0.1:{faulty_server.grpc}", timeout_s=120)
-    running = [{"apply_chat_template": True, "text_input": p, "max_tokens": 64, "end_id": 49151} for p in NEIGHBOURS[1:]]
+    running = [{"apply_chat_template": True, "text_input": p, "max_tokens": 64, "end_id": helpers.NO_EOS}
+               for p in NEIGHBOURS[1:]]
     trigger = {"apply_chat_template": True, "text_input": "What is the capital of France?", "max_tokens": 16}  # greedy: "... is Paris."
 
     def outcome(request):

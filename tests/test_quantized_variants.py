@@ -11,17 +11,16 @@ import json
 import numpy as np
 import pytest
 
-from python_backend.engine.core import open_kv_cache
-from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.model_files import ONNX_FILE, SETTINGS_FILE
 from python_backend.runtime.factory import cpu_decoder
 from python_backend.runtime.onnx_slot_decoder import is_fused_graph
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.server_metrics import read_metrics
 from scripts.prepare.quantize import QUANT_CHOICES
-from scripts.prepare.variant_parity import (DECODE_STEPS_CHECKED, LOGIT_PROMPTS, THRESHOLDS, agreement, engine_greedy,
-                                            load_reference_model, load_test_prompts, pytorch_greedy,
-                                            reference_greedy)
+from scripts.prepare import variant_parity
+from scripts.prepare.variant_parity import (DECODE_STEPS_CHECKED, LOGIT_PROMPTS, THRESHOLDS, LogitReference, agreement,
+                                            engine_greedy, load_reference_model, load_test_prompts,
+                                            max_logit_difference, pytorch_greedy, pytorch_logits, reference_greedy)
 from tests.helpers import variant_folder, wait_idle
 
 REQUEST = {"text_input": "What is the capital of France?", "max_tokens": 24, "apply_chat_template": True}
@@ -36,41 +35,25 @@ def reference_model(settings):
 
 
 @pytest.fixture(scope="module")
-def logit_reference(reference_model, tokenizer) -> tuple[list[list[int]], list[np.ndarray], list[np.ndarray]]:
-    """What the build's logit check compares with (scripts/prepare/variant_parity.py's max_logit_difference), computed
-    once for every variant and with PyTorch's KV cache: fp32 PyTorch's last-position logits for LOGIT_PROMPTS in one
-    left-padded batch, at the prefill and at each of DECODE_STEPS_CHECKED steps fed its own greedy tokens.
-    (prompts, the tokens fed at each step, the logits [rows, vocabulary] before each step and after the last)."""
-    import torch
-
+def logit_reference(reference_model, tokenizer) -> LogitReference:
+    """What the build's logit check compares with, computed now with PyTorch (not read from the export's cache): fp32
+    PyTorch's last-position logits for LOGIT_PROMPTS in one left-padded batch, at the prefill and at each of
+    DECODE_STEPS_CHECKED steps fed its own greedy tokens."""
     prompts = [tokenizer.encode(p, apply_chat_template=True) for p in LOGIT_PROMPTS]
-    longest = max(len(p) for p in prompts)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    fed, logits = [], []
-    with torch.no_grad():
-        out = reference_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                              use_cache=True, logits_to_keep=1)
-        for _ in range(DECODE_STEPS_CHECKED):
-            logits.append(out.logits[:, -1].numpy())
-            fed.append(logits[-1].argmax(-1))
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
-            out = reference_model(input_ids=torch.from_numpy(fed[-1])[:, None], attention_mask=mask,
-                                  position_ids=mask.sum(1, keepdim=True) - 1, cache=out.cache, use_cache=True)
-        logits.append(out.logits[:, -1].numpy())
-    return prompts, fed, logits
+    return pytorch_logits(reference_model, prompts, DECODE_STEPS_CHECKED)
 
 
-def max_difference_from_reference(decoder, prompts, fed, reference_logits) -> float:
-    """max |Δ logits| of the decoder's KV cache (the engine's) against the reference, fed the same tokens."""
-    config = SchedulerConfig(max_batch_size=len(prompts), kv_layout=getattr(decoder, "kv_layout", "padded"),
-                             max_context_length=max(len(p) for p in prompts) + len(fed) + 1)
-    cache = open_kv_cache(decoder, config)
-    logits, _, _ = cache.prefill(prompts, [len(p) + len(fed) + 1 for p in prompts])
-    differences = [np.abs(logits - reference_logits[0]).max()]
-    for tokens, reference in zip(fed, reference_logits[1:]):
-        differences.append(np.abs(cache.step(tokens) - reference).max())
-    return float(max(differences))
+def test_the_exports_kept_references_are_pytorchs_now(model_dir, logit_reference, greedy_prompts):
+    """The references the export keeps for the variants' checks (which then load no PyTorch model) are what PyTorch
+    computes now: read back without a model to compute them with."""
+    def no_model():
+        raise AssertionError("the export's reference was not used")
+
+    kept = variant_parity.logit_reference(model_dir, no_model, logit_reference.prompts, DECODE_STEPS_CHECKED)
+    assert [list(t) for t in kept.fed] == [list(t) for t in logit_reference.fed]
+    for kept_step, now in zip(kept.logits, logit_reference.logits, strict=True):
+        np.testing.assert_allclose(kept_step, now, atol=1e-5, rtol=0)
+    assert len(variant_parity.reference_greedy(model_dir, no_model, greedy_prompts)) == len(greedy_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +64,7 @@ def greedy_prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def greedy_reference(model_dir, reference_model, greedy_prompts) -> list[list[int]]:
     """fp32 PyTorch's greedy tokens for the load-test prompts (the export keeps them: computed only if missing)."""
-    return reference_greedy(model_dir, reference_model, greedy_prompts)
+    return reference_greedy(model_dir, lambda: reference_model, greedy_prompts)
 
 
 @pytest.mark.parametrize("variant", QUANT_CHOICES)
@@ -90,7 +73,7 @@ def test_the_variants_current_logits_are_within_its_threshold(model_dir, variant
     the build's logit prompts (prefill and decode steps), held to the build's threshold (a corrupted weight or a
     decoding change fails it; the report on disk is not read). About a second a variant."""
     decoder = cpu_decoder(variant_folder(model_dir, variant) / ONNX_FILE)
-    max_diff = max_difference_from_reference(decoder, *logit_reference)
+    max_diff, _ = max_logit_difference(decoder, logit_reference)
     assert max_diff <= THRESHOLDS[variant][0], f"{variant} now: max |Δ logits| {max_diff:.3g}; {THRESHOLDS[variant]}"
 
 

@@ -20,8 +20,8 @@ from scripts.clients.llm_client import (GenerateClient, GenerateStreamClient, Gr
 from tritonclient.utils import InferenceServerException
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
-from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, at_once, long_request, metric_samples,
-                           metrics, wait_for, wait_idle)
+from tests.helpers import (LEFTOVER_TOKENS, NO_EOS, BackgroundStream, assert_ready, at_once, long_request,
+                           metric_samples, metrics, wait_for, wait_idle)
 
 pytestmark = pytest.mark.server
 

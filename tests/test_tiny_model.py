@@ -19,14 +19,13 @@ from python_backend.serving.tokenization import PromptTokenizer
 from scripts.clients.llm_client import GenerateClient
 from scripts.launcher.triton_server import running_server
 from scripts.paths import PROJECT_ROOT
-from tests.helpers import export_tiny, hf_greedy
+from tests.helpers import NO_EOS, export_tiny, hf_greedy
 
 BOS = "<|endoftext|>"
 PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
 MAX_TOKENS = 16
 # The server stops at end_id and transformers at eos_token_id: the same id for both, so that EOS is handled alike
 # (the random model's own EOS, <|im_end|>, would otherwise stop one and not the other).
-END_ID = 49151
 
 
 @pytest.fixture(scope="session")
@@ -107,16 +106,16 @@ def hf_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir, hf_tokenizer) -> dict[str, list[int]]:
-    """transformers' greedy generate() on `tokenizer(text)` ids, BOS included: {prompt: new ids without END_ID}."""
+    """transformers' greedy generate() on `tokenizer(text)` ids, BOS included: {prompt: new ids without NO_EOS}."""
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     answers = {}
     for prompt in PROMPTS:
         ids = torch.tensor([hf_tokenizer(prompt).input_ids])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=END_ID, pad_token_id=hf_tokenizer.pad_token_id)
+                                 eos_token_id=NO_EOS, pad_token_id=hf_tokenizer.pad_token_id)
         new = out[0, ids.shape[1]:].tolist()
-        answers[prompt] = new[: new.index(END_ID)] if END_ID in new else new
+        answers[prompt] = new[: new.index(NO_EOS)] if NO_EOS in new else new
     return answers
 
 
@@ -151,7 +150,7 @@ def test_served_greedy_output_equals_transformers_generate_on_ids_with_bos(
 ):
     client = GenerateClient(f"127.0.0.1:{tiny_server.http}")
     for prompt in PROMPTS:
-        request = {"text_input": prompt, "max_tokens": MAX_TOKENS, "end_id": END_ID}
+        request = {"text_input": prompt, "max_tokens": MAX_TOKENS, "end_id": NO_EOS}
         if apply_chat_template is not None:
             request["apply_chat_template"] = apply_chat_template
         completion = client.complete(request)
@@ -213,7 +212,7 @@ def test_peft_adapters_of_a_tiny_model_give_peft_s_tokens_on_its_fp32_variant(ti
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     made = subprocess.run([str(eval_python), "-m", "scripts.eval.peft_reference", "--base", str(tiny_model_dir),
                            "--output", str(tmp_path / "lora"), "--prompts", str(tmp_path / "prompts.json"),
-                           "--max-tokens", str(MAX_TOKENS), "--eos", str(END_ID), "--adapter", "every:4:8:all",
+                           "--max-tokens", str(MAX_TOKENS), "--eos", str(NO_EOS), "--adapter", "every:4:8:all",
                            "--adapter", "qv:8:16:q_proj,v_proj:rslora"], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=900)
     assert made.returncode == 0, made.stderr[-3000:]
@@ -222,7 +221,7 @@ def test_peft_adapters_of_a_tiny_model_give_peft_s_tokens_on_its_fp32_variant(ti
     base = BaseShapes.from_json(json.loads((variant / "llm_settings.json").read_text())["lora_base"])
     adapters = {name: read_peft(tmp_path / "lora" / name, name, base) for name in ("every", "qv")}
     names = ["", "every", "qv"]
-    sequences = [Sequence(prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS, end_ids=(END_ID,)),
+    sequences = [Sequence(prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS, end_ids=(NO_EOS,)),
                           adapter=adapters.get(name)) for name in names for ids in prompts]
     generate(OnnxSlotDecoder(variant / ADAPTER_ONNX_FILE), sequences, strategy="continuous")
     assert [s.output_ids for s in sequences] == [reference[name][i] for name in names for i in range(len(prompts))]
@@ -263,8 +262,8 @@ def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_
         for prompt in PROMPTS:
             ids = tokenizer(prompt).input_ids
             assert len(ids) + 40 > 32, "the answer runs past the sliding window"
-            expected = hf_greedy(model, {"eos_token_ids": [END_ID]}, ids, 40, eos_token_id=END_ID)
-            completion = client.complete({"text_input": prompt, "max_tokens": 40, "end_id": END_ID,
+            expected = hf_greedy(model, {"eos_token_ids": [NO_EOS]}, ids, 40, eos_token_id=NO_EOS)
+            completion = client.complete({"text_input": prompt, "max_tokens": 40, "end_id": NO_EOS,
                                           "apply_chat_template": False})
             assert completion.output_tokens == len(expected) == 40, prompt
             assert completion.text == tokenizer.decode(expected, skip_special_tokens=True), prompt

@@ -21,10 +21,10 @@ _PAST_KEY = re.compile(r"past_key_values\.(\d+)\.key")
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
-# Threads a session takes when its caller (the llm config's `intra_op_threads`) names none: $TRITON_LLM_INTRA_OP_THREADS,
-# else 0 (onnxruntime's choice, one per core). Processes that share the cores between them, such as servers beside
-# each other on one host or the test suite's parallel workers and their servers, lower it so that they do not
-# oversubscribe the cores: onnxruntime's threads spin while they wait, and on taken cores that spinning is lost work.
+# Threads a session takes when its caller (the llm config's `intra_op_threads`) names none:
+# $TRITON_LLM_INTRA_OP_THREADS, else 0 (onnxruntime's choice, one per core). Processes that share the cores, such as
+# servers beside each other on one host or the test suite's parallel workers and their servers, lower it so that they
+# do not oversubscribe the cores: onnxruntime's threads spin while they wait, and on taken cores that is lost work.
 INTRA_OP_THREADS_ENV = "TRITON_LLM_INTRA_OP_THREADS"
 
 

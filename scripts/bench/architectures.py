@@ -18,13 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.bench.workload import NEVER_WRITTEN
 from scripts.paths import PROJECT_ROOT
 
 VARIANTS = ("fp32", "fp16", "fast", "int4")
 SERVED_PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):", "Name three ports in Europe."]
 SERVED_TOKENS = 24
-# The server stops at end_id and transformers at eos_token_id: one id for both (tests/test_tiny_model.py)
-END_ID = 49151
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.2)
 
@@ -111,9 +110,11 @@ def served(source: Path, variant: Path, tokenizer, log_path: Path) -> str:
         with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(variant)}) as ports:
             client = GenerateClient(f"127.0.0.1:{ports.http}")
             for prompt in SERVED_PROMPTS:
-                expected = greedy_ids(model, tokenizer(prompt).input_ids, SERVED_TOKENS, [END_ID], eos_token_id=END_ID)
-                completion = client.complete({"text_input": prompt, "max_tokens": SERVED_TOKENS, "end_id": END_ID,
-                                              "apply_chat_template": False})
+                # one end id for both: the server stops at end_id, transformers at eos_token_id
+                expected = greedy_ids(model, tokenizer(prompt).input_ids, SERVED_TOKENS, [NEVER_WRITTEN],
+                                      eos_token_id=NEVER_WRITTEN)
+                completion = client.complete({"text_input": prompt, "max_tokens": SERVED_TOKENS,
+                                              "end_id": NEVER_WRITTEN, "apply_chat_template": False})
                 same += 0 < completion.output_tokens == len(expected) and completion.text == tokenizer.decode(
                     expected, skip_special_tokens=True)
     except Exception as error:  # noqa: BLE001 - a cell of the table, with the server's log kept

@@ -37,13 +37,12 @@ from python_backend.guided.grammars import GuideSpec
 from python_backend.guided.guide import apply_masks
 from python_backend.model_files import MODEL_DIR_ENV, ModelSettings
 from scripts.bench.structured_schemas import SCHEMAS, schema_prompt
-from scripts.bench.workload import log, through_server
+from scripts.bench.workload import NEVER_WRITTEN, log, through_server
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.quantize import variant_dir
 
 MAX_TOKENS = 128
-NEVER_WRITTEN = 49151  # SmolLM2's last vocabulary entry, as end_id: generation runs to max_tokens
 MODES = ("free", "enforced", "free_same_lengths", "free_sustained", "enforced_sustained", "free_unseen",
          "enforced_unseen", "free_unseen_same_lengths")
 ROUNDS = 4  # sustained: each of the n clients sends this many requests, one after another

@@ -81,7 +81,7 @@ def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int,
         single = sum(r.output_tokens for r in alone) / sum(r.latency_s for r in alone)
         log(f"{variant}: {len(requests)} concurrent requests, {repeats} runs")
         runs = [server_row(variant, *through_server(requests, grpc, concurrent=True), None) for _ in range(repeats)]
-        log(f"  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
+        log("  output tok/s of each run: " + ", ".join(f"{r.tokens_per_s:.1f}" for r in runs))
         rss = llm_process_rss_mb()
     best = median_run(runs)
     model_bytes = sum(p.stat().st_size for p in (model_dir / ONNX_FILE).parent.iterdir())

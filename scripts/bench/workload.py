@@ -15,6 +15,9 @@ from loadtests.workload import DEFAULT_PROMPTS as LOAD_TEST_PROMPTS
 from scripts.clients.llm_client import Completion, GrpcStreamClient
 
 MAX_TOKENS_CYCLE = (16, 32, 64, 128)
+# SmolLM2's last vocabulary entry, which it practically never writes: as end_id, generation runs to max_tokens (and,
+# given to transformers as eos_token_id too, both stop at the same place on a model that does write it).
+NEVER_WRITTEN = 49151
 
 
 @dataclass

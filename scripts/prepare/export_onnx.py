@@ -210,7 +210,9 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     prompt_tokenizer = PromptTokenizer(output)
     prompts = [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
     decoder = OnnxDecoder(output / ONNX_FILE)
-    max_diff, max_logit = variant_parity.max_logit_difference(model, decoder, prompts, DECODE_STEPS_CHECKED)
+    # computed now (the folder was started fresh) and kept: each variant's check reads it
+    reference = variant_parity.logit_reference(output, lambda: model, prompts, DECODE_STEPS_CHECKED)
+    max_diff, max_logit = variant_parity.max_logit_difference(decoder, reference)
 
     log(f"parity: {GREEDY_TOKENS} greedy tokens vs transformers generate()")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, end_ids=tuple(eos_ids))
@@ -233,7 +235,7 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
     log(f"parity: greedy agreement on the load-test prompts ({variant_parity.GREEDY_TOKENS} tokens)")
     load_test = [prompt_tokenizer.encode(p, apply_chat_template=False) for p in variant_parity.load_test_prompts()]
     agreement = variant_parity.agreement(variant_parity.engine_greedy(decoder, load_test),
-                                         variant_parity.reference_greedy(output, model, load_test))
+                                         variant_parity.reference_greedy(output, lambda: model, load_test))
     report = {
         "variant": "fp32",
         "max_abs_logit_diff": max_diff,

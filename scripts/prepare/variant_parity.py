@@ -6,7 +6,8 @@ Two measures, written to the folder's parity report:
 - greedy agreement on the load-test prompts (loadtests/prompts.jsonl, raw text): GREEDY_TOKENS greedy tokens from the
   engine on this decoder (all prompts batched, EOS not stopping) against fp32 PyTorch one prompt at a time; how many
   prompts are identical over all the tokens, and the mean number of tokens before the first difference.
-The PyTorch reference tokens are computed once and kept in the fp32 export's folder (GREEDY_REFERENCE_FILE).
+The PyTorch references (the greedy tokens, the logits) are computed once and kept in the fp32 export's folder
+(GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE): a variant's check loads no PyTorch model when both are there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ from python_backend.serving.tokenization import PromptTokenizer
 from scripts.eval.peft_reference import pytorch_greedy
 
 GREEDY_REFERENCE_FILE = "greedy_reference.json"
+LOGIT_REFERENCE_FILE = "logit_reference.npz"
 GREEDY_TOKENS = 64
 LOGIT_PROMPTS = [
     "What is the capital of France?",
@@ -64,41 +67,69 @@ def load_reference_model(hf_dir: str | Path):
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def max_logit_difference(model, decoder, prompts: list[list[int]], decode_steps: int) -> tuple[float, float]:
-    """(max |Δ logits|, max |logit|) of the decoder against the PyTorch model, last position of each prompt in one
-    batch (PyTorch's left-padded; the decoder's own cache layout), prefill and decode_steps steps fed with PyTorch's
-    greedy tokens."""
+@dataclass
+class LogitReference:
+    """fp32 PyTorch's last-position logits for prompts in one left-padded batch: at the prefill and after each decode
+    step, each step fed PyTorch's own greedy tokens."""
+    prompts: list[list[int]]
+    fed: list[np.ndarray]  # [rows] token ids, one array per decode step
+    logits: list[np.ndarray]  # [rows, vocabulary], one array before each step and one after the last
+
+
+def pytorch_logits(model, prompts: list[list[int]], decode_steps: int) -> LogitReference:
+    """The reference computed with PyTorch's own KV cache."""
     import torch
 
     longest = max(len(p) for p in prompts)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    fed, logits = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1)
+        for _ in range(decode_steps):
+            logits.append(out.logits[:, -1].numpy())
+            fed.append(logits[-1].argmax(-1))
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
+            out = model(input_ids=torch.from_numpy(fed[-1])[:, None], attention_mask=mask,
+                        position_ids=mask.sum(1, keepdim=True) - 1, cache=out.cache, use_cache=True)
+        logits.append(out.logits[:, -1].numpy())
+    return LogitReference(prompts, fed, logits)
+
+
+def logit_reference(fp32_dir: Path, load_model, prompts: list[list[int]], decode_steps: int) -> LogitReference:
+    """The reference for these prompts, from the fp32 export's cache file when it was made for them (the export
+    writes it: each variant's check then needs no PyTorch model); load_model() gives the model when it must be
+    computed."""
+    key = hashlib.sha256(json.dumps([prompts, decode_steps]).encode()).hexdigest()
+    path = fp32_dir / LOGIT_REFERENCE_FILE
+    if path.is_file():
+        with np.load(path) as cached:
+            if str(cached["key"]) == key:
+                return LogitReference(prompts, list(cached["fed"]), list(cached["logits"]))
+    reference = pytorch_logits(load_model(), prompts, decode_steps)
+    with open(path, "wb") as file:
+        np.savez(file, key=key, fed=np.stack(reference.fed), logits=np.stack(reference.logits))
+    return reference
+
+
+def max_logit_difference(decoder, reference: LogitReference) -> tuple[float, float]:
+    """(max |Δ logits|, max |logit|) of the decoder, through the engine's KV cache (its own layout), against the
+    reference: prefill, then each decode step fed the reference's tokens."""
+    prompts = reference.prompts
     config = SchedulerConfig(max_batch_size=len(prompts), kv_layout=getattr(decoder, "kv_layout", "padded"),
-                             max_context_length=longest + decode_steps + 1)
+                             max_context_length=max(len(p) for p in prompts) + len(reference.fed) + 1)
     cache = open_kv_cache(decoder, config)
-    onnx_logits, _, _ = cache.prefill(prompts, [len(p) + decode_steps + 1 for p in prompts])
-    ids = np.zeros((len(prompts), longest), np.int64)
-    mask = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, longest - len(p):], mask[row, longest - len(p):] = p, 1
-    max_diff = max_logit = 0.0
-    for step in range(decode_steps + 1):
-        with torch.no_grad():
-            torch_logits = model(
-                input_ids=torch.from_numpy(ids),
-                attention_mask=torch.from_numpy(mask),
-                position_ids=torch.from_numpy(np.clip(np.cumsum(mask, 1) - 1, 0, None)),
-            ).logits[:, -1, :].numpy()
-        max_diff = max(max_diff, float(np.abs(onnx_logits - torch_logits).max()))
-        max_logit = max(max_logit, float(np.abs(torch_logits).max()))
-        if step < decode_steps:
-            next_tokens = torch_logits.argmax(-1)
-            ids = np.concatenate([ids, next_tokens[:, None]], 1)
-            mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], 1)
-            onnx_logits = cache.step(next_tokens)
-    return max_diff, max_logit
+    logits, _, _ = cache.prefill(prompts, [len(p) + len(reference.fed) + 1 for p in prompts])
+    differences = [np.abs(logits - reference.logits[0]).max()]
+    for tokens, expected in zip(reference.fed, reference.logits[1:]):
+        differences.append(np.abs(cache.step(tokens) - expected).max())
+    return float(max(differences)), float(max(np.abs(step).max() for step in reference.logits))
 
 
-def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[list[int]]:
-    """fp32 PyTorch's greedy tokens for the prompts, from the cache file when it was made for the same prompts."""
+def reference_greedy(fp32_dir: Path, load_model, prompts: list[list[int]]) -> list[list[int]]:
+    """fp32 PyTorch's greedy tokens for the prompts, from the cache file when it was made for the same prompts;
+    load_model() gives the model when they must be computed."""
     key = hashlib.sha256(json.dumps([prompts, GREEDY_TOKENS]).encode()).hexdigest()
     path = fp32_dir / GREEDY_REFERENCE_FILE
     if path.is_file():
@@ -106,7 +137,7 @@ def reference_greedy(fp32_dir: Path, model, prompts: list[list[int]]) -> list[li
         if cached.get("key") == key:
             return cached["tokens"]
     log(f"fp32 PyTorch greedy reference: {len(prompts)} prompts x {GREEDY_TOKENS} tokens, batched (~30 s)")
-    tokens = pytorch_greedy(model, prompts, GREEDY_TOKENS)
+    tokens = pytorch_greedy(load_model(), prompts, GREEDY_TOKENS)
     path.write_text(json.dumps({"key": key, "tokens": tokens}))
     return tokens
 
@@ -129,23 +160,25 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
             "first_differences": first_differences}
 
 
-def measure(fp32_dir: Path, model_dir: Path, model=None) -> dict:
-    """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and greedy cache)."""
+def measure(fp32_dir: Path, model_dir: Path) -> dict:
+    """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and the references)."""
+    import functools
 
     settings = json.loads((fp32_dir / SETTINGS_FILE).read_text())
-    model = model if model is not None else load_reference_model(settings["hf_dir"])
+    load_model = functools.cache(lambda: load_reference_model(settings["hf_dir"]))  # only if a reference is missing
     tokenizer = PromptTokenizer(fp32_dir)
     decoder = cpu_decoder(model_dir / ONNX_FILE)
     log(f"{model_dir.name}: logits against fp32 PyTorch")
     logit_prompts = [tokenizer.encode(p, apply_chat_template=True) for p in LOGIT_PROMPTS]
-    max_diff, max_logit = max_logit_difference(model, decoder, logit_prompts, DECODE_STEPS_CHECKED)
+    reference = logit_reference(fp32_dir, load_model, logit_prompts, DECODE_STEPS_CHECKED)
+    max_diff, max_logit = max_logit_difference(decoder, reference)
     prompts = [tokenizer.encode(p, apply_chat_template=False) for p in load_test_prompts()]
-    reference = reference_greedy(fp32_dir, model, prompts)
+    greedy = reference_greedy(fp32_dir, load_model, prompts)
     log(f"{model_dir.name}: greedy, {len(prompts)} load-test prompts x {GREEDY_TOKENS} tokens")
     return {"max_abs_logit_diff": max_diff, "max_abs_logit": max_logit,
             "logits_checked": f"last position of a batch of {len(LOGIT_PROMPTS)}, prefill and "
                               f"{DECODE_STEPS_CHECKED} decode steps, against fp32 PyTorch",
-            "greedy_agreement": agreement(engine_greedy(decoder, prompts), reference)}
+            "greedy_agreement": agreement(engine_greedy(decoder, prompts), greedy)}
 
 
 def judge(variant: str, measured: dict) -> dict:
