@@ -242,26 +242,35 @@ def _server_source(item) -> str | None:
 
 
 # The files that take longest, longest first (their summed --durations in a `make test` on the 2-core machine, in
-# seconds: docs/testing.md). `make test` hands whole files to whichever worker is free, in collection order
-# (`--dist loadfile --no-loadscope-reorder`): a long file that came last would run alone at the end. xdist's own
-# order (most tests first) put the tiny models, the quick sweep and Ray last. The other files follow in name order.
+# seconds, and in the fast suite: docs/testing.md). `make test` hands whole files to whichever worker is free, in
+# collection order (`--dist loadfile --no-loadscope-reorder`): a long file that came last would run alone at the end.
+# xdist's own order (most tests first) put the tiny models, the quick sweep and Ray last; the fast suite's long files
+# listed too keep its two workers within a few seconds of each other. The other files follow in name order.
 LONGEST_FIRST = [
-    "test_gguf_types.py",  # 167
-    "test_tiny_model.py",  # 165
-    "test_loadtests.py",  # 128
-    "test_ray_batch.py",  # 122
-    "test_server.py",  # 92
-    "test_recovery.py",  # 87
-    "test_batch_api.py",  # 78
-    "test_quantized_variants.py",  # 76
-    "test_lm_eval.py",  # 68
-    "test_streaming.py",  # 67
-    "test_fault_isolation.py",  # 56
-    "test_client_libraries.py",  # 55
-    "test_limits.py",  # 45
-    "test_strategies.py",  # 43
-    "test_openai_api.py",  # 37
-    "test_prefix_cache_server.py",  # 34
+    "test_loadtests.py",  # 72
+    "test_tiny_model.py",  # 67
+    "test_ray_batch.py",  # 64
+    "test_recovery.py",  # 59
+    "test_gguf_types.py",  # 55, fast suite 7
+    "test_lora.py",  # 51, fast suite 15
+    "test_prefix_cache_server.py",  # 49
+    "test_batch_api.py",  # 48
+    "test_quantized_variants.py",  # 40, fast suite 7
+    "test_strategies.py",  # 39
+    "test_lm_eval.py",  # 38
+    "test_server.py",  # 37
+    "test_client_libraries.py",  # 36
+    "test_fault_isolation.py",  # 33
+    "test_structured_server.py",  # 30
+    "test_limits.py",  # 30
+    "test_prefix_cache.py",  # 28, fast suite 23
+    "test_streaming.py",  # 28
+    "test_runtimes.py",  # 28, fast suite 17
+    "test_runtime_server.py",  # 21
+    "test_guided_engine.py",  # 21, fast suite 19
+    "test_run_batch.py",  # 18, fast suite 6
+    "test_fast_variant.py",  # 16
+    "test_engine.py",  # 16, fast suite 15
 ]
 
 

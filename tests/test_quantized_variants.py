@@ -52,7 +52,8 @@ def test_the_exports_kept_references_are_pytorchs_now(model_dir, logit_reference
     kept = variant_parity.logit_reference(model_dir, no_model, logit_reference.prompts, DECODE_STEPS_CHECKED)
     assert [list(t) for t in kept.fed] == [list(t) for t in logit_reference.fed]
     for kept_step, now in zip(kept.logits, logit_reference.logits, strict=True):
-        np.testing.assert_allclose(kept_step, now, atol=1e-5, rtol=0)
+        # up to PyTorch's rounding with another thread count (3e-5 seen on logits near 25; the check allows 1e-3)
+        np.testing.assert_allclose(kept_step, now, atol=1e-4, rtol=0)
     assert len(variant_parity.reference_greedy(model_dir, no_model, greedy_prompts)) == len(greedy_prompts)
 
 
