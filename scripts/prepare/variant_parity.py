@@ -12,6 +12,7 @@ The PyTorch references (the greedy tokens, the logits) are computed once and kep
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -162,8 +163,6 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
 
 def measure(fp32_dir: Path, model_dir: Path) -> dict:
     """Both measures for the decoder in model_dir; fp32_dir holds the export (its hf folder and the references)."""
-    import functools
-
     settings = json.loads((fp32_dir / SETTINGS_FILE).read_text())
     load_model = functools.cache(lambda: load_reference_model(settings["hf_dir"]))  # only if a reference is missing
     tokenizer = PromptTokenizer(fp32_dir)
