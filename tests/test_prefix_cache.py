@@ -49,7 +49,9 @@ def run(core, seqs, on_step=None):
 
 @pytest.fixture(scope="module")
 def without_reuse(decoder, prompts):
-    return [run(EngineCore(decoder, CONFIG), sequences([p]))[0] for p in prompts]
+    """Each prompt's tokens with prefix caching off, computed in one batch (a batch gives each row its answer alone:
+    tests/test_kv_slots.py)."""
+    return run(EngineCore(decoder, CONFIG), sequences(prompts))
 
 
 def reuse(decoder, **changes):

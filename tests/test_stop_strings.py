@@ -3,10 +3,12 @@ protocol, streamed or not; a match stops the llm model's generation."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from scripts.clients.llm_client import GenerateClient, GenerateStreamClient, GrpcClient, GrpcStreamClient
-from tests.helpers import NO_EOS, assert_ready, wait_idle
+from tests.helpers import NO_EOS, assert_ready, at_once, wait_idle
 
 pytestmark = pytest.mark.server
 
@@ -19,13 +21,11 @@ def ask(**extra) -> dict:
 
 
 def every_protocol(server, request: dict) -> dict:
+    """The request's answer on each protocol, the four sent at once."""
     http, grpc = f"127.0.0.1:{server.http}", f"127.0.0.1:{server.grpc}"
-    return {
-        "generate": GenerateClient(http).complete(request),
-        "grpc": GrpcClient(grpc).complete(request),
-        "grpc-stream": GrpcStreamClient(grpc).complete(request),
-        "generate-stream": GenerateStreamClient(http).complete(request),
-    }
+    clients = {"generate": GenerateClient(http), "grpc": GrpcClient(grpc), "grpc-stream": GrpcStreamClient(grpc),
+               "generate-stream": GenerateStreamClient(http)}
+    return dict(zip(clients, at_once(*(functools.partial(c.complete, request) for c in clients.values()))))
 
 
 @pytest.fixture(scope="module")
