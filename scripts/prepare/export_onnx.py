@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output
     fingerprint = source_fingerprint(source)
     if not args.force and up_to_date(output, EXPORT_MARK, fingerprint):
-        if not (output / variant_parity.LOGIT_REFERENCE_FILE).is_file():
+        if (output / SETTINGS_FILE).is_file() and not (output / variant_parity.LOGIT_REFERENCE_FILE).is_file():
             log("an export made before exports kept PyTorch's logit reference: computing it (~10 s)")
             logit_reference(output)
         log(f"{output} is up to date with {source.name}; skipping (use --force to redo)")
