@@ -204,12 +204,15 @@ def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -
     return settings["eos_token_ids"]
 
 
-def logit_reference(output: Path, model=None) -> variant_parity.LogitReference:
+def parity_prompts(prompt_tokenizer: PromptTokenizer) -> list[list[int]]:
+    return [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
+
+
+def logit_reference(output: Path, prompts: list[list[int]], model=None) -> variant_parity.LogitReference:
     """PyTorch's logits on the parity prompts, kept in the export's folder for the variants' checks (computed with
     model, else with the weights the export was made from, when the folder does not hold them yet)."""
-    prompt_tokenizer = PromptTokenizer(output)
-    prompts = [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
     hf_dir = json.loads((output / SETTINGS_FILE).read_text())["hf_dir"]
+
     def load_model():
         return model if model is not None else variant_parity.load_reference_model(hf_dir)
 
@@ -220,10 +223,10 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int]) -> dict:
 
     log(f"parity: last-position logits on a left-padded batch of 4, prefill + {DECODE_STEPS_CHECKED} decode steps")
     prompt_tokenizer = PromptTokenizer(output)
-    prompts = [prompt_tokenizer.encode(p, apply_chat_template=True) for p in PARITY_PROMPTS]
+    prompts = parity_prompts(prompt_tokenizer)
     decoder = OnnxDecoder(output / ONNX_FILE)
     # computed now (the folder was started fresh) and kept: each variant's check reads it
-    max_diff, max_logit = variant_parity.max_logit_difference(decoder, logit_reference(output, model))
+    max_diff, max_logit = variant_parity.max_logit_difference(decoder, logit_reference(output, prompts, model))
 
     log(f"parity: {GREEDY_TOKENS} greedy tokens vs transformers generate()")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, end_ids=tuple(eos_ids))
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and up_to_date(output, EXPORT_MARK, fingerprint):
         if (output / SETTINGS_FILE).is_file() and not (output / variant_parity.LOGIT_REFERENCE_FILE).is_file():
             log("an export made before exports kept PyTorch's logit reference: computing it (~10 s)")
-            logit_reference(output)
+            logit_reference(output, parity_prompts(PromptTokenizer(output)))
         log(f"{output} is up to date with {source.name}; skipping (use --force to redo)")
         return 0
     if problem := refusal(source):
