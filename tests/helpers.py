@@ -218,25 +218,31 @@ def llm_stream(server, inputs: dict, timeout_s: float = 300) -> tuple[list[int],
 
 # --- builds ---
 
-# `python -m scripts.prepare.export_onnx`, with the greedy agreement of its parity check on the first 4 load-test
-# prompts instead of all of them: of a tiny random model the whole set says no more than 4 prompts do. The rest of the
-# export and its checks run as they are.
-_EXPORT_ON_4_PROMPTS = """import sys
-from scripts.prepare import export_onnx, variant_parity
+# `python -m scripts.prepare.export_onnx` and then `python -m scripts.prepare.quantize` for each variant asked for, in
+# one process, with the greedy agreement of their parity checks on the first 4 load-test prompts instead of all of
+# them: of a tiny random model the whole set says no more than 4 prompts do. The rest of the builds and their checks
+# run as they are.
+_BUILD_ON_4_PROMPTS = """import sys
+from scripts.prepare import export_onnx, quantize, variant_parity
 all_prompts = variant_parity.load_test_prompts
 variant_parity.load_test_prompts = lambda: all_prompts()[:4]
-sys.exit(export_onnx.main(sys.argv[1:]))
+source, output, *variants = sys.argv[1:]
+code = export_onnx.main(["--source", source, "--output", output])
+for variant in variants:
+    code = code or quantize.main(["--quant", variant, "--source", output])
+sys.exit(code)
 """
 
 
-def export_tiny(source, output) -> None:
-    """The export of a tiny model (a Hugging Face folder or a GGUF file) into output, run as `make model` runs it."""
+def export_tiny(source, output, variants: tuple[str, ...] = ()) -> None:
+    """The export of a tiny model (a Hugging Face folder or a GGUF file) into output, run as `make model` runs it,
+    and each of these variants built from it beside it (`<output>-<variant>`), as `make variants` builds them."""
     import subprocess
     import sys
 
     from scripts.paths import PROJECT_ROOT
 
-    command = [sys.executable, "-c", _EXPORT_ON_4_PROMPTS, "--source", str(source), "--output", str(output)]
+    command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, str(source), str(output), *variants]
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
