@@ -1,7 +1,7 @@
 """GGUF files of the types people download, written from a tiny random Llama by scripts/bench/gguf_files.py: each
-4-bit type read as the file's own grid (scripts/prepare/gguf_grid.py), the exact int4 variant built on that grid equal
-to the fp32 export of the same file and served token-exact, the other types kept fp32, and a file with no 4-bit layer
-tensor refused before any work."""
+4-bit type read as the file's own grid (scripts/prepare/gguf_grid.py); one file of every common type, a layer each,
+exported, its exact int4 variant built with each 4-bit tensor on its grid and the others fp32, equal to the fp32
+export of the same file and served token-exact; a file with no 4-bit layer tensor refused before any work."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from scripts.prepare import block_quantization, quantize, source_grid
 from scripts.prepare.gguf_grid import FileGrids, decode
 from tests.helpers import export_tiny
 
-# One file, one layer per family of types: Q4_0, Q4_1, and Q4_K_M's mix (its last layer holds attn_v and ffn_down in
-# Q6_K, so that its fused q/k/v matrix mixes a 4-bit and a 6-bit type).
-LAYER_PRESETS = ["Q4_0", "Q4_1", "Q4_K_M"]
+# One file, one layer per type people download: Q4_0, Q4_1, Q4_K_M's mix (its layer 2 holds attn_v and ffn_down in
+# Q6_K, so that its fused q/k/v matrix mixes a 4-bit and a 6-bit type), Q5_K_M (Q5_K on its layer 3), Q6_K, Q8_0, F16.
+LAYER_PRESETS = ["Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16"]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 
 
@@ -75,12 +75,13 @@ def test_the_presets_give_each_tensor_the_type_llama_quantize_does():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(model_dir, tmp_path_factory) -> Path:
-    """A Hugging Face folder: a 3-layer random Llama 256 wide (rows of whole K-quant super-blocks), SmolLM2's
-    tokenizer."""
+    """A Hugging Face folder: a random Llama 256 wide (rows of whole K-quant super-blocks), a layer per type of the
+    mixed file, SmolLM2's tokenizer."""
     folder = tmp_path_factory.mktemp("tiny_llama_256")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.save_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=len(LAYER_PRESETS),
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -94,8 +95,10 @@ def tiny_llama_dir(model_dir, tmp_path_factory) -> Path:
 def mixed_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "tiny.mixed.gguf"
     types = gguf_files.write(tiny_llama_dir, LAYER_PRESETS, path, chat_template=TEMPLATE)
-    assert {types[f"blk.{i}.ffn_up.weight"] for i in range(3)} == {"Q4_0", "Q4_1", "Q4_K"}
+    assert [types[f"blk.{i}.ffn_up.weight"] for i in range(len(LAYER_PRESETS))] == [
+        "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16"]
     assert types["blk.2.attn_v.weight"] == types["blk.2.ffn_down.weight"] == "Q6_K"
+    assert types["blk.3.attn_v.weight"] == types["blk.3.ffn_down.weight"] == "Q5_K"  # not a layer with more bits
     return path
 
 
@@ -184,11 +187,11 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
     report = json.loads((mixed_int4 / "parity_report.json").read_text())
     assert report["passed"] and report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"] == 42
     assert report["build"]["matrices"] == {
-        # per layer the packed q/k/v, o, gate, up and down; on the last, down (Q6_K) stays fp32 and the packed q/k/v
-        # is split: q and k on their grid, v (Q6_K) fp32
+        # per layer the packed q/k/v, o, gate, up and down; on Q4_K_M's layer, down (Q6_K) stays fp32 and the packed
+        # q/k/v is split: q and k on their grid, v (Q6_K) fp32; the 5-, 6- and 8-bit and F16 layers stay fp32
         quantize.FILE_GRID: {"Q4_0": 5, "Q4_1": 5, "Q4_K": 3},
         quantize.SPLIT: {"Q4_K+Q6_K": 1},
-        quantize.KEPT_FP32: {"Q6_K": 1},
+        quantize.KEPT_FP32: {"Q6_K": 1 + 5, "Q5_K": 5, "Q8_0": 5, "F16": 5},
     }
     # The tokenizer and its chat template are the file's own.
     tokenizer = AutoTokenizer.from_pretrained(mixed_int4, local_files_only=True)
