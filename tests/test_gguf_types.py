@@ -1,7 +1,8 @@
 """GGUF files of the types people download, written from a tiny random Llama by scripts/bench/gguf_files.py: each
-4-bit type read as the file's own grid (scripts/prepare/gguf_grid.py); one file of every common type, a layer each,
-exported, its exact int4 variant built with each 4-bit tensor on its grid and the others fp32, equal to the fp32
-export of the same file and served token-exact; a file with no 4-bit layer tensor refused before any work."""
+type read as the file's own grid (scripts/prepare/gguf_grid.py), the 5-, 6- and 8-bit ones as two 4-bit matrices; one
+file of every common type, a layer each, exported, its exact int4 variant built with each tensor on its grid and the
+F16 one fp32, equal to the fp32 export of the same file and served token-exact; a file with no layer tensor on an
+integer grid refused before any work."""
 
 from __future__ import annotations
 
@@ -52,6 +53,39 @@ def test_each_4_bit_type_is_read_as_its_own_grid_and_kept_exactly(kind):
     again = block_quantization.quantize(weight, 4)
     if kind != "Q4_K":
         assert (again.residual_spread(weight) <= 1e-6 * np.abs(weight).max()) == (kind == "Q4_1")
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
+def test_each_wider_type_is_read_as_its_own_grid_and_two_4_bit_matmuls_give_its_fp32_product(kind):
+    """A 5-, 6- or 8-bit tensor's codes, scales and offsets read from its blocks (Q6_K's sub-blocks of 16 with
+    signed scales), and the matrix as the sum of two 4-bit MatMulNBits (high and low nibbles) run by onnxruntime: the
+    fp32 product of the file's values."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    values = weights(8, 512, seed=2)
+    blocks = gguf_files.encode(values, kind)
+    stored = dequantize(blocks, GGMLQuantizationType[kind]).reshape(values.shape)
+    grid = decode(kind, blocks.reshape(len(values), -1), values.shape[1])
+    assert np.abs(grid.values() - stored).max() <= 1e-6 * np.abs(stored).max()
+    assert grid.block == (16 if kind == "Q6_K" else 32) and 15 < grid.codes.max() < 2 ** grid.bits
+
+    weight = np.ascontiguousarray(stored.T)  # a MatMul's [K, N]
+    graph = helper.make_graph([], "halves", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    spreads = []
+    nodes = quantize._GridGraph(model, quantize.RECIPES["int4"]).on_grid("proj", "x", "y", grid, weight, spreads)
+    model.graph.node.extend(nodes)
+    model.opset_import.append(helper.make_opsetid(quantize.MS_DOMAIN, 1))
+    assert [n.op_type for n in nodes].count("MatMulNBits") == 2 and nodes[-1].name == "proj.halves"
+    # Q5_1's and Q5_K's offsets (d·q + m, −dmin·m) are no whole number of steps: the low half carries a residual
+    assert ("proj.low.residual" in [n.name for n in nodes]) == (kind in ("Q5_1", "Q5_K"))
+    assert spreads[0] <= 1e-6 * np.abs(weight).max()
+    assert not any(numpy_helper.to_array(i).dtype == np.float32 and i.dims == [512, 8] for i in graph.initializer)
+    x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)
+    product = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.abs(product[0] - x @ weight).max() <= 1e-5 * np.abs(x @ weight).max()
 
 
 @pytest.mark.parametrize("kind, levels", [("Q4_K", 16), ("Q5_K", 32), ("Q6_K", 64), ("IQ4_NL", 16)])
@@ -117,24 +151,25 @@ def small_gguf(path: Path, tensors: dict[str, str]) -> Path:
     return path
 
 
-def test_a_file_without_a_4_bit_layer_tensor_is_refused_naming_its_types(tmp_path):
-    eight_bit = {**{f"blk.{i}.ffn_up.weight": "Q8_0" for i in range(3)}, "blk.0.attn_v.weight": "Q6_K",
-                 "token_embd.weight": "Q4_0"}  # not a layer tensor: it does not count
-    q8 = small_gguf(tmp_path / "tiny.Q8_0.gguf", eight_bit)
-    why = source_grid.refusal(tmp_path, str(q8), "int4", 4, 32)
-    assert "none of tiny.Q8_0.gguf's layer tensors is of those types: they are 3 Q8_0, 1 Q6_K." in why
-    assert "Nothing was built" in why
+def test_a_file_without_a_layer_tensor_on_an_integer_grid_is_refused_naming_its_types(tmp_path):
+    floats = {**{f"blk.{i}.ffn_up.weight": "F16" for i in range(3)}, "blk.0.attn_v.weight": "F32",
+              "token_embd.weight": "Q4_0"}  # not a layer tensor: it does not count
+    f16 = small_gguf(tmp_path / "tiny.F16.gguf", floats)
+    why = source_grid.refusal(tmp_path, str(f16), "int4", 4, 32)
+    assert "none of tiny.F16.gguf's layer tensors is of those types: they are 3 F16, 1 F32." in why
+    assert "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0" in why and "Nothing was built" in why
     iq = small_gguf(tmp_path / "tiny.IQ4_NL.gguf", {f"blk.{i}.ffn_up.weight": "IQ4_NL" for i in range(2)})
     assert "they are 2 IQ4_NL (IQ4_NL map their codes through a table" in source_grid.refusal(tmp_path, str(iq), "int4",
                                                                                                 4, 32)
-    for kind in ("Q4_0", "Q4_1", "Q4_K"):
-        one_4_bit = small_gguf(tmp_path / f"tiny.{kind}.gguf", {**eight_bit, "blk.2.attn_q.weight": kind})
-        assert source_grid.refusal(tmp_path, str(one_4_bit), "int4", 4, 32) is None, kind
+    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"):
+        one_on_a_grid = small_gguf(tmp_path / f"tiny.{kind}.gguf", {**floats, "blk.2.attn_q.weight": kind})
+        assert source_grid.refusal(tmp_path, str(one_on_a_grid), "int4", 4, 32) is None, kind
 
 
 def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
-    by value. A matrix with rows of two types comes in runs of columns; one with an unknown row has no grid."""
+    by value. A matrix with rows of two grid layouts (4-bit blocks of 32, Q6_K's 6-bit blocks of 16) comes in runs of
+    columns; one with an unknown row has no grid."""
     from scripts.prepare.gguf_reader import open_gguf
 
     grids = FileGrids(mixed_gguf)
@@ -146,7 +181,8 @@ def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
     assert np.array_equal(match.grid.values(), packed)
     mixed = grids.match(np.concatenate([tensors["blk.2.attn_q.weight"], tensors["blk.2.attn_v.weight"]]).T)
     assert mixed.grid is None and set(mixed.types) == {"Q4_K", "Q6_K"} and mixed.missing == 0
-    assert mixed.runs() == [(slice(0, 256), True), (slice(256, 384), False)]
+    assert mixed.runs() == [(slice(0, 256), (4, 32)), (slice(256, 384), (8, 16))]
+    assert np.array_equal(mixed.grid_of(slice(256, 384)).values(), tensors["blk.2.attn_v.weight"])
     assert np.array_equal(mixed.grid_of(slice(0, 256)).values(), tensors["blk.2.attn_q.weight"])
     unknown = grids.match(np.concatenate([tensors["blk.0.attn_q.weight"], np.ones((1, 256), np.float32)]).T)
     assert unknown.grid is None and unknown.missing == 1
@@ -187,11 +223,13 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
     report = json.loads((mixed_int4 / "parity_report.json").read_text())
     assert report["passed"] and report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"] == 42
     assert report["build"]["matrices"] == {
-        # per layer the packed q/k/v, o, gate, up and down; on Q4_K_M's layer, down (Q6_K) stays fp32 and the packed
-        # q/k/v is split: q and k on their grid, v (Q6_K) fp32; the 5-, 6- and 8-bit and F16 layers stay fp32
+        # per layer the packed q/k/v, o, gate, up and down; on Q4_K_M's layer, down (Q6_K) is two 4-bit halves and
+        # the packed q/k/v is split: q and k on their 4-bit grid, v (Q6_K) in halves; the 5-, 6- and 8-bit layers
+        # are halves too, and only the F16 layer stays fp32
         quantize.FILE_GRID: {"Q4_0": 5, "Q4_1": 5, "Q4_K": 3},
         quantize.SPLIT: {"Q4_K+Q6_K": 1},
-        quantize.KEPT_FP32: {"Q6_K": 1 + 5, "Q5_K": 5, "Q8_0": 5, "F16": 5},
+        quantize.WIDE_GRID: {"Q6_K": 1 + 5, "Q5_K": 5, "Q8_0": 5},
+        quantize.KEPT_FP32: {"F16": 5},
     }
     # The tokenizer and its chat template are the file's own.
     tokenizer = AutoTokenizer.from_pretrained(mixed_int4, local_files_only=True)

@@ -78,17 +78,19 @@ def _groups(model: onnx.ModelProto, shapes: BaseShapes) -> dict[tuple[int, str],
 
 
 def _ends(model: onnx.ModelProto, group: _Group, consumers: dict[str, list]) -> tuple[str, str]:
-    """The projection's input x (its product's activations: the MatMulNBits', else the MatMul's first input) and its
-    output y (its last node's, which the rest of the graph reads; int4's residual adds after the 4-bit product)."""
+    """The projection's input x (its products' activations: the MatMulNBits', else the MatMul's first input; a GGUF
+    grid's matrix may be several MatMulNBits of the same x) and its output y (its last node's, which the rest of the
+    graph reads; int4's residual adds after the 4-bit product)."""
     products = [n for n in group.nodes if n.op_type == "MatMulNBits"] or \
         [n for n in group.nodes if n.op_type == "MatMul"]
+    activations = {n.input[0] for n in products}
     last = group.nodes[-1]
     inside = {id(node) for node in group.nodes}
-    if len(products) != 1 or len(last.output) != 1 or \
-            not any(id(c) not in inside for c in consumers.get(last.output[0], [])):
+    if len(activations) != 1 or (products[0].op_type == "MatMul" and len(products) != 1) or len(last.output) != 1 \
+            or not any(id(c) not in inside for c in consumers.get(last.output[0], [])):
         raise ValueError(f"projection {group.nodes[0].name}: not a product followed by what the rest of the graph "
                          f"reads ({[n.op_type for n in group.nodes]})")
-    return products[0].input[0], last.output[0]
+    return activations.pop(), last.output[0]
 
 
 def targets(model: onnx.ModelProto, shapes: BaseShapes) -> list[Target]:

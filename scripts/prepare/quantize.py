@@ -11,7 +11,8 @@ Weights only; activations and the KV cache stay fp32:
 - fp32: the fused graph with the export's weights as they are: exact.
 - int4: the layer matrices as 4-bit ``MatMulNBits`` (blocks of 32, asymmetric, fp32 compute: accuracy_level 1) on the
   grid the weights came from, plus a per-block residual that makes the product exact for GGUF Q4_1 weights
-  (scripts/prepare/block_quantization.py); the LM head stays fp32.
+  (scripts/prepare/block_quantization.py); from a GGUF file, each tensor on its own grid (gguf_grid.py): its 5-, 6-
+  and 8-bit ones as two 4-bit halves, its float ones fp32. The LM head stays fp32.
 - fast: onnxruntime's own ``MatMulNBitsQuantizer``, 8 bits, blocks of 32, asymmetric, accuracy_level 4 (int8
   activations), LM head included (accuracy_level 1 has no fast 8-bit kernel on CPU: 2.8 tok/s, measured): the
   fastest, not exact. Chosen by measurement over int4 layers with an 8-bit head at accuracy_level 4 (docs/models.md);
@@ -53,12 +54,13 @@ from scripts.prepare import block_quantization, fused_graph, gguf_grid, lora_gra
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 7  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 8  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
 MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
-KEPT_FP32 = "kept fp32 (the file's type is not 4-bit)"
-SPLIT = "split: its 4-bit columns on the file's grid, the others fp32"
+WIDE_GRID = "on the GGUF file's own 5-, 6- or 8-bit grid, as two 4-bit halves"
+KEPT_FP32 = "kept fp32 (the file's type has no integer grid)"
+SPLIT = "split into runs of columns, each on its own grid of the file or fp32"
 MIN_MAX_GRID = "4-bit on each block's min and max"
 
 
@@ -107,9 +109,9 @@ def constant_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
                      grids: gguf_grid.FileGrids | None = None) -> dict:
     """Each constant MatMul -> MatMulNBits (+ block sums · residual, for asymmetric blocks). With a GGUF file's grids
-    (gguf_grid.py), a matrix whose columns come from its 4-bit tensors keeps the file's own codes and scales, one whose
-    columns come from its other types stays fp32, and one with both is split into runs of columns, each one or the
-    other, joined by a Concat. Returns statistics."""
+    (gguf_grid.py), a matrix whose columns come from its 4-bit tensors keeps the file's own codes and scales, one from
+    its 5-, 6- or 8-bit tensors the same as two 4-bit halves, one from its float tensors stays fp32, and one with
+    columns of several kinds is split into runs of columns, each one kind, joined by a Concat. Returns statistics."""
     graph = _GridGraph(model, recipe)
     replaced: dict[str, list[onnx.NodeProto]] = {}
     spreads = []
@@ -129,23 +131,22 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
             replaced[y] = graph.nbits(node.name, x, y, matrix, symmetric)
             continue
         runs = match.runs()
-        how = FILE_GRID if runs == [(slice(0, weight.shape[1]), True)] else KEPT_FP32 if not any(
-            on_grid for _, on_grid in runs) else SPLIT
+        layouts = {layout for _, layout in runs}
+        how = (KEPT_FP32 if layouts == {None} else FILE_GRID if layouts == {(4, gguf_grid.BLOCK)} else WIDE_GRID
+               if len(layouts) == 1 else SPLIT)
         made.setdefault(how, Counter())["+".join(sorted(match.types))] += 1
         if how == KEPT_FP32:
             continue
         nodes, parts = [], []
-        for i, (columns, on_grid) in enumerate(runs):
-            name, part = (node.name, y) if how == FILE_GRID else (f"{node.name}.part{i}", f"{y}.part{i}")
-            if on_grid:
-                grid = match.grid_of(columns)
-                matrix = block_quantization.from_grid(grid.codes, grid.scales, grid.offsets, recipe.block_size)
-                spreads.append(matrix.residual_spread(weight[:, columns]))
-                nodes += graph.nbits(name, x, part, matrix, symmetric)
-            else:
+        for i, (columns, layout) in enumerate(runs):
+            name, part = (node.name, y) if len(runs) == 1 else (f"{node.name}.part{i}", f"{y}.part{i}")
+            if layout is None:
                 nodes += graph.dense(name, x, part, weight[:, columns])
+            else:
+                grid = match.grid_of(columns)
+                nodes += graph.on_grid(name, x, part, grid, weight[:, columns], spreads)
             parts.append(part)
-        if how == SPLIT:
+        if len(runs) > 1:
             nodes.append(helper.make_node("Concat", parts, [y], name=f"{node.name}.columns", axis=-1))
         replaced[y] = nodes  # output names are unique in a graph; node names need not be
     rebuilt = []
@@ -165,7 +166,7 @@ class _GridGraph:
     def __init__(self, model: onnx.ModelProto, recipe: Recipe):
         self.graph, self.recipe = model.graph, recipe
         self.initializers = {i.name: i for i in model.graph.initializer}
-        self.block_sums: dict[str, str] = {}
+        self.block_sums: dict[tuple[str, int], str] = {}  # (input, block size) -> its block sums
 
     def add(self, name: str, value: np.ndarray) -> str:
         self.initializers[name] = numpy_helper.from_array(value, name)
@@ -175,6 +176,19 @@ class _GridGraph:
     def dense(self, name: str, x: str, y: str, weight: np.ndarray) -> list[onnx.NodeProto]:
         return [helper.make_node("MatMul", [x, self.add(f"{name}.weight", np.ascontiguousarray(weight))], [y],
                                  name=name)]
+
+    def on_grid(self, name: str, x: str, y: str, grid: gguf_grid.Grid, weight: np.ndarray,
+                spreads: list[float]) -> list[onnx.NodeProto]:
+        """A GGUF grid's matrix: one 4-bit MatMulNBits, or the sum of two for codes of 5, 6 or 8 bits."""
+        if grid.bits == 4:
+            matrix = block_quantization.from_grid(grid.codes, grid.scales, grid.offsets, grid.block)
+            spreads.append(matrix.residual_spread(weight))
+            return self.nbits(name, x, y, matrix, symmetric=False)
+        high, low = block_quantization.halves(grid.codes, grid.scales, grid.offsets, grid.block)
+        spreads.append(low.residual_spread(weight - high.dequantize()))
+        return (self.nbits(f"{name}.high", x, f"{y}.high", high, symmetric=False)
+                + self.nbits(f"{name}.low", x, f"{y}.low", low, symmetric=False)
+                + [helper.make_node("Add", [f"{y}.high", f"{y}.low"], [y], name=f"{name}.halves")])
 
     def nbits(self, name: str, x: str, y: str, matrix: block_quantization.QuantizedMatrix,
               symmetric: bool) -> list[onnx.NodeProto]:
@@ -188,12 +202,12 @@ class _GridGraph:
                                   name=f"{name}.nbits", domain=MS_DOMAIN, K=k, N=n, bits=matrix.bits,
                                   block_size=matrix.block_size, accuracy_level=recipe.accuracy_level)]
         if with_residual:
-            sums = self.block_sums.get(x)
+            sums = self.block_sums.get((x, matrix.block_size))
             if sums is None:
                 sums_matrix = f"block_sums.{k}x{matrix.block_size}"
                 if sums_matrix not in self.initializers:
                     self.add(sums_matrix, block_quantization.block_sum_matrix(k, matrix.block_size))
-                sums = self.block_sums[x] = f"{x}.block_sums"
+                sums = self.block_sums[(x, matrix.block_size)] = f"{x}.block_sums{matrix.block_size}"
                 nodes.insert(0, helper.make_node("MatMul", [x, sums_matrix], [sums], name=f"{name}.block_sums"))
             nodes += [helper.make_node("MatMul", [sums, self.add(f"{name}.residual", matrix.residual)],
                                        [f"{y}.residual"], name=f"{name}.residual"),
@@ -306,7 +320,8 @@ def source_file_grids(source: Path) -> gguf_grid.FileGrids | None:
         return None
     grids = gguf_grid.FileGrids(path)
     log(f"{path.name}: layer tensors " + ", ".join(f"{n} {kind}" for kind, n in grids.types.most_common())
-        + f"; the {'/'.join(gguf_grid.FOUR_BIT)} ones keep their own grid, the others stay fp32")
+        + f"; the {'/'.join(gguf_grid.ON_GRID)} ones keep their own grid (those of 5, 6 or 8 bits as two 4-bit "
+        "halves), the others stay fp32")
     return grids
 
 

@@ -64,17 +64,18 @@ def gguf_tensor_types(path: Path) -> Counter:
 
 def refusal(weights_dir: Path, source: str, variant: str, bits: int, block_size: int) -> str | None:
     """Why the exact variant cannot be exact for these weights, or None when every layer matrix is on the grid. A
-    GGUF file's 4-bit tensors keep the file's own grid and its other tensors stay fp32 (gguf_grid.py): refused only
-    when none of its layer tensors is 4-bit, as the variant would then be the fp32 weights under another name."""
+    GGUF file's tensors of an integer grid keep the file's own grid and its float tensors stay fp32 (gguf_grid.py):
+    refused only when none of its layer tensors has such a grid, as the variant would then be the fp32 weights under
+    another name."""
     if source.endswith(".gguf") and Path(source).is_file():
-        from scripts.prepare.gguf_grid import FOUR_BIT
+        from scripts.prepare.gguf_grid import ON_GRID
 
         types = gguf_tensor_types(Path(source))
-        if any(types[kind] for kind in FOUR_BIT):
+        if any(types[kind] for kind in ON_GRID):
             return None
         codebook = [kind for kind in types if kind.startswith("IQ")]
-        return (f"{variant} keeps a GGUF file's 4-bit tensors ({', '.join(FOUR_BIT)}) on their own grid and the others "
-                f"in fp32, but none of {Path(source).name}'s layer tensors is of those types: they are "
+        return (f"{variant} keeps a GGUF file's tensors of an integer grid ({', '.join(ON_GRID)}) on their own grid "
+                f"and the others in fp32, but none of {Path(source).name}'s layer tensors is of those types: they are "
                 + ", ".join(f"{count} {kind}" for kind, count in types.most_common())
                 + (f" ({'/'.join(codebook)} map their codes through a table of unevenly spaced values, which no "
                    "integer grid holds)" if codebook else "")
