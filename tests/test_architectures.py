@@ -115,6 +115,7 @@ def test_a_model_class_the_builder_does_not_take_is_refused_before_any_work(tmp_
 
 
 @pytest.mark.server
+@pytest.mark.models
 @pytest.mark.parametrize("architecture", SERVED_ON_THE_FUSED_GRAPH)
 def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, model_dir, tmp_path):
     """`make model SOURCE=<folder>` then `make serve`: the export and its fp32 variant (the fused graph, with the

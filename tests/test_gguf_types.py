@@ -219,6 +219,7 @@ def mixed_int4(mixed_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.mark.server
+@pytest.mark.models
 def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_int4):
     report = json.loads((mixed_int4 / "parity_report.json").read_text())
     assert report["passed"] and report["greedy_agreement"]["identical"] == report["greedy_agreement"]["prompts"] == 42
@@ -237,6 +238,7 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
 
 
 @pytest.mark.server
+@pytest.mark.models
 def test_int4_of_a_mixed_file_is_served_token_exact(mixed_gguf, mixed_int4, servers):
     from python_backend.serving.tokenization import PromptTokenizer
     from scripts.clients.llm_client import GenerateClient

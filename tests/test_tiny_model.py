@@ -243,6 +243,7 @@ def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.server
+@pytest.mark.models
 def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_graph(tiny_gemma2_dir, tmp_path):
     """Gemma 2's soft-capped attention, sliding window and final soft cap: the export's parity against transformers
     holds, the served greedy tokens are transformers' (past the window), and int4/fast, built on a fused graph whose

