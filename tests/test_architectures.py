@@ -122,7 +122,8 @@ def test_each_architectures_default_variant_is_built_and_served_token_exact(arch
     architecture's rope scaling, biases, q/k norms, fused projections or multipliers taken from its config) pass
     their parity checks, and a real tritonserver's greedy text is transformers' own on every prompt."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    config = next(config for name, config in configs(tokenizer).items() if name.split()[0] == architecture)
+    # 2 layers: what sets each apart is in every layer, and torch.export takes 6 s less than for the table's 4
+    config = next(config for name, config in configs(tokenizer, layers=2).items() if name.split()[0] == architecture)
     source, export = tmp_path / architecture, tmp_path / f"{architecture}-export"
     make(config, tokenizer, source)
     export_tiny(source, export, variants=("fp32",))

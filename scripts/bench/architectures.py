@@ -28,27 +28,28 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              max_position_embeddings=512, initializer_range=0.2)
 
 
-def configs(tokenizer) -> dict:
-    """Architecture -> a tiny config with what sets it apart switched on."""
+def configs(tokenizer, layers: int = SMALL["num_hidden_layers"]) -> dict:
+    """Architecture -> a tiny config with what sets it apart switched on (in every layer: the tests take 2)."""
     import transformers as tf
 
     ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
+    small = {**SMALL, "num_hidden_layers": layers}
     return {
-        "llama3 (rope scaling)": tf.LlamaConfig(**SMALL, **ids, head_dim=16, rope_parameters={
+        "llama3 (rope scaling)": tf.LlamaConfig(**small, **ids, head_dim=16, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-        "mistral": tf.MistralConfig(**SMALL, **ids, head_dim=16, sliding_window=None),
-        "qwen2 (biases)": tf.Qwen2Config(**SMALL, **ids),
-        "qwen3 (q/k norms)": tf.Qwen3Config(**SMALL, **ids, head_dim=16),
+        "mistral": tf.MistralConfig(**small, **ids, head_dim=16, sliding_window=None),
+        "qwen2 (biases)": tf.Qwen2Config(**small, **ids),
+        "qwen3 (q/k norms)": tf.Qwen3Config(**small, **ids, head_dim=16),
         # As Phi-3-mini-4k: its context is the one it was trained at (a longer one means LongRoPE's factors).
-        "phi3 (fused projections)": tf.Phi3Config(**SMALL, **ids, original_max_position_embeddings=512),
+        "phi3 (fused projections)": tf.Phi3Config(**small, **ids, original_max_position_embeddings=512),
         "gemma2 (soft caps, sliding window)": tf.Gemma2Config(
-            **SMALL, **ids, head_dim=16, sliding_window=32, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+            **small, **ids, head_dim=16, sliding_window=32, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
             final_logit_softcapping=30.0),
-        "granite (multipliers)": tf.GraniteConfig(**SMALL, **ids, embedding_multiplier=12.0, residual_multiplier=0.22,
+        "granite (multipliers)": tf.GraniteConfig(**small, **ids, embedding_multiplier=12.0, residual_multiplier=0.22,
                                                   attention_multiplier=0.0625, logits_scaling=8.0),
-        "olmo2 (post-norms, q/k norms)": tf.Olmo2Config(**SMALL, **ids),
+        "olmo2 (post-norms, q/k norms)": tf.Olmo2Config(**small, **ids),
     }
 
 
@@ -60,7 +61,12 @@ def make(config, tokenizer, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases at zero, where a bias left out would change nothing
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, config.initializer_range)
+    model.save_pretrained(folder)
 
 
 def run(command: list[str]) -> tuple[int, str]:
