@@ -128,10 +128,6 @@ class Match:
     missing: int = 0
 
     @property
-    def on_grid(self) -> np.ndarray:
-        return np.array([row is not None for row in self.rows])
-
-    @property
     def grid(self) -> Grid | None:
         """The whole matrix's grid, if every column has one of the same layout."""
         runs = self.runs()
@@ -183,9 +179,6 @@ class FileGrids:
                 error = np.abs(grid.values() - values).max(initial=0.0)
                 if error > 1e-6 * max(np.abs(values).max(initial=0.0), 1e-30):
                     raise ValueError(f"{tensor.name} ({kind}) read as a grid differs from its values by {error:.3g}")
-
-    def grid_tensors(self) -> int:
-        return sum(self.types[kind] for kind in ON_GRID)
 
     def match(self, weight: np.ndarray) -> Match:
         """The file's rows behind each column of a [K, N] MatMul weight."""
