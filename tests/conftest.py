@@ -247,7 +247,7 @@ def _server_source(item) -> str | None:
 # xdist's own order (most tests first) put the tiny models, the quick sweep and Ray last; the fast suite's long files
 # listed too keep its two workers within a few seconds of each other. The other files follow in name order.
 LONGEST_FIRST = [
-    "test_architectures.py",  # 106 (its five served architectures, one after another), fast suite 1
+    "test_architectures.py",  # 140 (its seven served architectures, one after another), fast suite 1
     "test_loadtests.py",  # 72
     "test_tiny_model.py",  # 67
     "test_ray_batch.py",  # 64

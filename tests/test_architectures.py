@@ -2,7 +2,7 @@
 build (each cell read from the export's and the variant builds' own log lines, a refusal named, a failure shown with
 its last line; every architecture's tiny config small and with what sets it apart), and each architecture's tiny
 random model exported, built as the default variant and served by a real tritonserver, token-exact against
-transformers (Gemma 2, whose default variant is on the export's graph, in test_tiny_model.py; OLMo 2 refused)."""
+transformers (Gemma 2 in test_tiny_model.py)."""
 
 import pytest
 from transformers import AutoTokenizer
@@ -10,9 +10,10 @@ from transformers import AutoTokenizer
 from scripts.bench.architectures import SERVED_PROMPTS, configs, make, outcome, served
 from tests.helpers import export_tiny
 
-# Each on the fused graph of onnxruntime-genai's builder, which reads what sets the architecture apart from its
-# config. Mistral is left to the architectures table: the builder's MistralModel is its base Model, as Llama's is.
-SERVED_ON_THE_FUSED_GRAPH = ("llama3", "qwen2", "qwen3", "phi3", "granite")
+# All but Gemma 2 (test_tiny_model.py serves it past its sliding window): each on the fused graph of onnxruntime-genai's
+# builder, which reads what sets the architecture apart from its config, but OLMo 2, whose class the builder does not
+# take: its fp32 is built on the export's own graph.
+SERVED = ("llama3", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
 
 EXPORT_LINE = ("[export   14.0s] parity: max |Δ logits| = 6.32e-06 (tolerance 0.001), greedy identical 4/4; on the "
                "load-test prompts 42/42 over 64 tokens\n[export   14.0s] done: build/x")
@@ -116,16 +117,21 @@ def test_a_model_class_the_builder_does_not_take_is_refused_before_any_work(tmp_
 
 @pytest.mark.server
 @pytest.mark.models
-@pytest.mark.parametrize("architecture", SERVED_ON_THE_FUSED_GRAPH)
+@pytest.mark.parametrize("architecture", SERVED)
 def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, model_dir, tmp_path):
     """`make model SOURCE=<folder>` then `make serve`: the export and its fp32 variant (the fused graph, with the
-    architecture's rope scaling, biases, q/k norms, fused projections or multipliers taken from its config) pass
-    their parity checks, and a real tritonserver's greedy text is transformers' own on every prompt."""
+    architecture's rope scaling, biases, q/k norms, fused projections or multipliers taken from its config; OLMo 2's
+    on the export's graph) pass their parity checks, and a real tritonserver's greedy text is transformers' own on
+    every prompt."""
+    from scripts.prepare import quantize
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     # 2 layers: what sets each apart is in every layer, and torch.export takes 6 s less than for the table's 4
     config = next(config for name, config in configs(tokenizer, layers=2).items() if name.split()[0] == architecture)
     source, export = tmp_path / architecture, tmp_path / f"{architecture}-export"
     make(config, tokenizer, source)
     export_tiny(source, export, variants=("fp32",))
+    graph = quantize.variant_graph(export, quantize.RECIPES["fp32"])[0]
+    assert graph == (quantize.EXPORT if architecture == "olmo2" else quantize.FUSED)
     result = served(source, tmp_path / f"{architecture}-export-fp32", tokenizer, tmp_path / "server.log")
     assert result == f"{len(SERVED_PROMPTS)}/{len(SERVED_PROMPTS)} token-exact"
