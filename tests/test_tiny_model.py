@@ -24,7 +24,7 @@ from tests.helpers import NO_EOS, export_tiny, hf_greedy
 BOS = "<|endoftext|>"
 PROMPTS = ["The quick brown fox", "用一句话介绍一下长城。", "def add(a, b):"]
 MAX_TOKENS = 16
-# The server stops at end_id and transformers at eos_token_id: the same id for both, so that EOS is handled alike
+# The server stops at end_id and transformers at eos_token_id: NO_EOS is given as both, so that EOS is handled alike
 # (the random model's own EOS, <|im_end|>, would otherwise stop one and not the other).
 
 

@@ -132,8 +132,12 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
             continue
         runs = match.runs()
         layouts = {layout for _, layout in runs}
-        how = (KEPT_FP32 if layouts == {None} else FILE_GRID if layouts == {(4, gguf_grid.BLOCK)} else WIDE_GRID
-               if len(layouts) == 1 else SPLIT)
+        if len(layouts) > 1:
+            how = SPLIT
+        elif layouts == {None}:
+            how = KEPT_FP32
+        else:
+            how = FILE_GRID if layouts == {(4, gguf_grid.BLOCK)} else WIDE_GRID
         made.setdefault(how, Counter())["+".join(sorted(match.types))] += 1
         if how == KEPT_FP32:
             continue
