@@ -12,10 +12,12 @@ own graph instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import re
-import subprocess
+import runpy
 import sys
 import tempfile
 from pathlib import Path
@@ -31,16 +33,31 @@ def build(hf_dir: Path) -> onnx.ModelProto:
     """The builder's fp32 CPU graph of hf_dir, with its weights loaded and the cache's head size made concrete."""
     with tempfile.TemporaryDirectory(prefix="fused-graph-") as work:
         output, cache = Path(work) / "model", Path(work) / "cache"
-        command = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(output), "-p", "fp32", "-e", "cpu",
-                   "-c", str(cache)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"onnxruntime-genai's model builder failed on {hf_dir} (exit {done.returncode}):\n"
-                               f"{(done.stdout + done.stderr)[-3000:]}")
+        run_builder(["-i", str(hf_dir), "-o", str(output), "-p", "fp32", "-e", "cpu", "-c", str(cache)], hf_dir)
         model = onnx.load(str(output / "model.onnx"))
     set_head_size(model, head_size(hf_dir))
     logits_of_last_positions(model)
     return model
+
+
+def run_builder(args: list[str], hf_dir: Path) -> None:
+    """The builder's command line (`python -m onnxruntime_genai.models.builder ARGS`), run in this process: a process
+    of its own spent ~3.5 s importing torch, transformers and the builder again, most of a tiny model's build. Its
+    output is shown only when it fails."""
+    argv, log = sys.argv, io.StringIO()
+    sys.argv = [BUILDER, *args]
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            runpy.run_module(BUILDER, run_name="__main__", alter_sys=True)
+    except SystemExit as error:
+        if error.code not in (0, None):
+            raise RuntimeError(f"onnxruntime-genai's model builder failed on {hf_dir} (exit {error.code}):\n"
+                               f"{log.getvalue()[-3000:]}") from error
+    except Exception as error:  # noqa: BLE001 - any failure of the builder, with its output
+        raise RuntimeError(f"onnxruntime-genai's model builder failed on {hf_dir} ({type(error).__name__}: "
+                           f"{error}):\n{log.getvalue()[-3000:]}") from error
+    finally:
+        sys.argv = argv
 
 
 @functools.lru_cache(maxsize=1)
