@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import re
 import threading
@@ -12,6 +13,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -219,32 +221,61 @@ def llm_stream(server, inputs: dict, timeout_s: float = 300) -> tuple[list[int],
 # --- builds ---
 
 # `python -m scripts.prepare.export_onnx` and then `python -m scripts.prepare.quantize` for each variant asked for, in
-# one process, with the greedy agreement of their parity checks on the first 4 load-test prompts instead of all of
-# them: of a tiny random model the whole set says no more than 4 prompts do. The rest of the builds and their checks
-# run as they are.
-_BUILD_ON_4_PROMPTS = """import sys
+# one process for every model given (a process each spent ~3 s importing torch again), with the greedy agreement of
+# their parity checks on the first 4 load-test prompts instead of all of them: of a tiny random model the whole set
+# says no more than 4 prompts do. The rest of the builds and their checks run as they are. A model's build ends with
+# a line of its own (BUILT_LINE), so that each failure is told with its own output.
+BUILT_LINE = "[export_tiny] {output}: exit {code}"
+_BUILD_ON_4_PROMPTS = """import json, sys, traceback
 from scripts.prepare import export_onnx, quantize, variant_parity
+from tests.helpers import BUILT_LINE
 all_prompts = variant_parity.load_test_prompts
 variant_parity.load_test_prompts = lambda: all_prompts()[:4]
-source, output, *variants = sys.argv[1:]
-code = export_onnx.main(["--source", source, "--output", output])
-for variant in variants:
-    code = code or quantize.main(["--quant", variant, "--source", output])
-sys.exit(code)
+builds, variants = json.loads(sys.argv[1]), sys.argv[2:]
+for source, output in builds:
+    try:
+        code = export_onnx.main(["--source", source, "--output", output])
+        for variant in variants:
+            code = code or quantize.main(["--quant", variant, "--source", output])
+    except SystemExit as stop:  # a refusal on the command line
+        code = stop.code if isinstance(stop.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    print(BUILT_LINE.format(output=output, code=code), flush=True)
 """
 
 
-def export_tiny(source, output, variants: tuple[str, ...] = ()) -> None:
-    """The export of a tiny model (a Hugging Face folder or a GGUF file) into output, run as `make model` runs it,
-    and each of these variants built from it beside it (`<output>-<variant>`), as `make variants` builds them."""
+def export_tinies(builds: list[tuple[Path, Path]], variants: tuple[str, ...] = ()) -> dict[Path, str | None]:
+    """The export of each tiny model (a Hugging Face folder or a GGUF file: source) into its output, run as `make
+    model` runs it, and each of these variants built from it beside it (`<output>-<variant>`), as `make variants`
+    builds them, all in one process: output -> None when its build passed, else the end of its output."""
     import subprocess
     import sys
 
     from scripts.paths import PROJECT_ROOT
 
-    command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, str(source), str(output), *variants]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, json.dumps([[str(s), str(o)] for s, o in builds]),
+               *variants]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ended = re.compile(r"\[export_tiny\] (.*): exit (-?\d+)")  # BUILT_LINE
+    results, lines = {}, []
+    for line in done.stdout.splitlines(keepends=True):
+        if match := ended.fullmatch(line.rstrip("\n")):
+            results[Path(match[1])] = None if match[2] == "0" else "".join(lines)[-3000:]
+            lines = []
+        else:
+            lines.append(line)
+    for _, output in builds:  # a build that never ended: the process died in it
+        results.setdefault(Path(output), f"the build process died (exit {done.returncode}):\n{''.join(lines)[-3000:]}")
+    return results
+
+
+def export_tiny(source, output, variants: tuple[str, ...] = ()) -> None:
+    """export_tinies of one model, failing with its output when its build fails."""
+    error = export_tinies([(source, output)], variants)[Path(output)]
+    assert error is None, error
 
 
 # --- references ---

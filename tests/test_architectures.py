@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from scripts.bench.architectures import SERVED_PROMPTS, configs, make, outcome, served
-from tests.helpers import export_tiny
+from tests.helpers import export_tinies
 
 # All but Gemma 2 (test_tiny_model.py serves it past its sliding window): each on the fused graph of onnxruntime-genai's
 # builder, which reads what sets the architecture apart from its config, but OLMo 2, whose class the builder does not
@@ -116,23 +116,37 @@ def test_a_model_class_the_builder_does_not_take_is_refused_before_any_work(tmp_
     assert fused_graph.refusal(llama, "fast") is None
 
 
+@pytest.fixture(scope="module")
+def built(request, model_dir, tmp_path_factory) -> dict[str, tuple]:
+    """Each architecture of SERVED this session runs, its tiny model made, exported and built as the default variant
+    in one process (export_tinies): architecture -> (its folder, its export, its build's failure or None)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    running = {item.callspec.params["architecture"] for item in request.session.items
+               if item.originalname == test_each_architectures_default_variant_is_built_and_served_token_exact.__name__}
+    # 2 layers: what sets each apart is in every layer, and torch.export takes 6 s less than for the table's 4
+    tiny = {name.split()[0]: config for name, config in configs(tokenizer, layers=2).items()}
+    work = tmp_path_factory.mktemp("architectures")
+    folders = {name: (work / name, work / f"{name}-export") for name in SERVED if name in running}
+    for name, (source, _) in folders.items():
+        make(tiny[name], tokenizer, source)
+    failures = export_tinies(list(folders.values()), variants=("fp32",))
+    return {name: (source, export, failures[export]) for name, (source, export) in folders.items()}
+
+
 @pytest.mark.server
 @pytest.mark.models
 @pytest.mark.parametrize("architecture", SERVED)
-def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, model_dir, tmp_path):
+def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, built, model_dir, tmp_path):
     """`make model SOURCE=<folder>` then `make serve`: the export and its fp32 variant (the fused graph, with the
     architecture's rope scaling, biases, q/k norms, fused projections or multipliers taken from its config; OLMo 2's
     on the export's graph) pass their parity checks, and a real tritonserver's greedy text is transformers' own on
     every prompt."""
     from scripts.prepare import quantize
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    # 2 layers: what sets each apart is in every layer, and torch.export takes 6 s less than for the table's 4
-    config = next(config for name, config in configs(tokenizer, layers=2).items() if name.split()[0] == architecture)
-    source, export = tmp_path / architecture, tmp_path / f"{architecture}-export"
-    make(config, tokenizer, source)
-    export_tiny(source, export, variants=("fp32",))
+    source, export, failure = built[architecture]
+    assert failure is None, failure
     graph = quantize.variant_graph(export, quantize.RECIPES["fp32"])[0]
     assert graph == (quantize.EXPORT if architecture == "olmo2" else quantize.FUSED)
-    result = served(source, tmp_path / f"{architecture}-export-fp32", tokenizer, tmp_path / "server.log")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    result = served(source, quantize.variant_dir(export, "fp32"), tokenizer, tmp_path / "server.log")
     assert result == f"{len(SERVED_PROMPTS)}/{len(SERVED_PROMPTS)} token-exact"
