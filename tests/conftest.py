@@ -245,9 +245,9 @@ def _server_source(item) -> str | None:
 # seconds, and in the fast suite: docs/testing.md). `make test` hands whole files to whichever worker is free, in
 # collection order (`--dist loadfile --no-loadscope-reorder`): a long file that came last would run alone at the end.
 # xdist's own order (most tests first) put the tiny models, the quick sweep and Ray last; the fast suite's long files
-# listed too keep its two workers within a few seconds of each other. The other files follow in name order.
+# listed too keep its workers within a few seconds of each other. The other files follow in name order.
 LONGEST_FIRST = [
-    "test_architectures.py",  # 140 (its seven served architectures, one after another), fast suite 1
+    "test_architectures.py",  # 100 (its seven architectures built in one process, then served one after another)
     "test_loadtests.py",  # 72
     "test_tiny_model.py",  # 67
     "test_ray_batch.py",  # 64
