@@ -75,7 +75,7 @@ def test_each_wider_type_is_read_as_its_own_grid_and_two_4_bit_matmuls_give_its_
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 8])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     spreads = []
-    nodes = quantize._GridGraph(model, quantize.RECIPES["int4"]).on_grid("proj", "x", "y", grid, weight, spreads)
+    nodes = quantize.GridGraph(model, quantize.RECIPES["int4"]).on_grid("proj", "x", "y", grid, weight, spreads)
     model.graph.node.extend(nodes)
     model.opset_import.append(helper.make_opsetid(quantize.MS_DOMAIN, 1))
     assert [n.op_type for n in nodes].count("MatMulNBits") == 2 and nodes[-1].name == "proj.halves"

@@ -107,16 +107,10 @@ def hf_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir, hf_tokenizer) -> dict[str, list[int]]:
     """transformers' greedy generate() on `tokenizer(text)` ids, BOS included: {prompt: new ids without NO_EOS}."""
+    from scripts.eval.peft_reference import greedy_ids
+
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    answers = {}
-    for prompt in PROMPTS:
-        ids = torch.tensor([hf_tokenizer(prompt).input_ids])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=NO_EOS, pad_token_id=hf_tokenizer.pad_token_id)
-        new = out[0, ids.shape[1]:].tolist()
-        answers[prompt] = new[: new.index(NO_EOS)] if NO_EOS in new else new
-    return answers
+    return {prompt: greedy_ids(model, hf_tokenizer(prompt).input_ids, MAX_TOKENS, [NO_EOS]) for prompt in PROMPTS}
 
 
 def test_raw_prompts_start_with_the_bos_the_tokenizer_adds(tiny_model_dir, hf_tokenizer):

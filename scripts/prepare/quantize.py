@@ -112,7 +112,7 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
     (gguf_grid.py), a matrix whose columns come from its 4-bit tensors keeps the file's own codes and scales, one from
     its 5-, 6- or 8-bit tensors the same as two 4-bit halves, one from its float tensors stays fp32, and one with
     columns of several kinds is split into runs of columns, each one kind, joined by a Concat. Returns statistics."""
-    graph = _GridGraph(model, recipe)
+    graph = GridGraph(model, recipe)
     replaced: dict[str, list[onnx.NodeProto]] = {}
     spreads = []
     made: dict[str, Counter] = {}  # what each matrix became -> the source tensor types of its columns -> matrices
@@ -163,7 +163,7 @@ def quantize_on_grid(model: onnx.ModelProto, recipe: Recipe, head: str | None,
             "matrices": {how: dict(counts) for how, counts in made.items()}}
 
 
-class _GridGraph:
+class GridGraph:
     """The nodes and initializers that replace a graph's MatMuls; an input's block sums are computed once for all the
     matrices it multiplies."""
 
