@@ -1,0 +1,130 @@
+"""Speculative greedy decoding for one stream, measured before the engine has it: is the exact default's one stream
+(fp32: ~38 tok/s served, as the export's fp32, both reading 540 MB of weights a token) able to reach issue 34's 1.6x
+over the export without leaving fp32's answers?
+
+    python -m scripts.bench.speculative_probe                       # fp32 checked by the fast variant's drafts
+    python -m scripts.bench.speculative_probe --draft-tokens 4 8 --prompts 42
+
+One row, in this process, on the two variants' fused graphs and their slot caches (python_backend/runtime/
+onnx_slot_decoder.py). Each load-test prompt (chat template applied) is decoded greedily for --tokens tokens twice:
+- plain: fp32, one token a call, as the engine decodes a lone row;
+- speculative: the draft variant (`fast`, 2.5x fp32's one-stream speed, its greedy text fp32's for 30 tokens on
+  average: its parity report) proposes K tokens one call each; fp32 checks all of them in one call of K+1 tokens
+  (its logits at every new position: the graph's `logits_all_positions`), keeps the drafts up to the first one it
+  would not have chosen and adds its own token there. Both caches then drop what was not kept: a row's length is
+  its mask's sum, so the next call writes over it.
+The answers must be the plain ones token for token ("identical"), and the speed is output tokens over wall time.
+
+Both sessions run on one onnxruntime thread pool shared by the process (`set_global_thread_pool_sizes`): two pools
+of their own, alternating, each spinning while the other works, gave the speculative loop no gain at all (x0.96,
+2026-12-05); with spinning switched off in both, plain decoding lost 17%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from scripts.paths import default_model_dir
+
+
+def slot_cache(decoder, max_len: int) -> list[np.ndarray]:
+    shape = decoder.cache_shape
+    return [np.zeros((1, shape.num_kv_heads, max_len, shape.head_dim), np.dtype(shape.dtype))
+            for _ in shape.cache_names()]
+
+
+def forward(decoder, cache, ids: list[int], total: int, all_positions: bool = False) -> np.ndarray:
+    return decoder.forward_in_place(np.array([ids], np.int64), np.ones((1, total), np.int64), cache,
+                                    all_positions=all_positions)[0]
+
+
+def plain(target, prompt: list[int], tokens: int, max_len: int) -> list[int]:
+    cache = slot_cache(target, max_len)
+    out = [int(forward(target, cache, prompt, len(prompt))[-1].argmax())]
+    while len(out) < tokens:
+        out.append(int(forward(target, cache, [out[-1]], len(prompt) + len(out))[-1].argmax()))
+    return out
+
+
+def speculative(target, draft, prompt: list[int], tokens: int, k: int, max_len: int) -> tuple[list[int], int]:
+    """The greedy answer and how many rounds (fp32 calls after the prompt) it took."""
+    target_cache, draft_cache = slot_cache(target, max_len), slot_cache(draft, max_len)
+    out = [int(forward(target, target_cache, prompt, len(prompt))[-1].argmax())]
+    forward(draft, draft_cache, prompt, len(prompt))
+    draft_valid, rounds = len(prompt), 0  # the draft cache's tokens that are the sequence's
+    while len(out) < tokens:
+        sequence = prompt + out
+        proposed = [int(forward(draft, draft_cache, sequence[draft_valid:], len(sequence))[-1].argmax())]
+        for i in range(k - 1):
+            proposed.append(int(forward(draft, draft_cache, [proposed[-1]], len(sequence) + i + 1)[-1].argmax()))
+        chosen = forward(target, target_cache, [sequence[-1], *proposed], len(sequence) + k,
+                         all_positions=True).argmax(-1)
+        kept = next((i for i in range(k) if chosen[i] != proposed[i]), k)
+        out += proposed[:kept] + [int(chosen[kept])]
+        draft_valid = len(sequence) + min(kept, k - 1)
+        rounds += 1
+    return out[:tokens], rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=None, help="the fp32 export (default: make model's)")
+    parser.add_argument("--draft", default="fast", help="the draft variant (default: fast)")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 6, 8], help="K: drafts a round")
+    parser.add_argument("--prompts", type=int, default=12, help="how many load-test prompts (of 42)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args(argv)
+
+    import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state
+
+    from python_backend.model_files import ONNX_FILE
+    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+    from python_backend.serving.tokenization import PromptTokenizer
+    from scripts.prepare.quantize import variant_dir
+    from scripts.prepare.variant_parity import load_test_prompts
+
+    _pybind_state.set_global_thread_pool_sizes(args.threads, 1)  # before the first session
+
+    def decoder(folder):
+        options = ort.SessionOptions()  # its thread counts are the pool's
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.use_per_session_threads = False
+        session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+        return OnnxSlotDecoder(None, session=session)
+
+    export = args.model_dir or default_model_dir()
+    target, draft = decoder(variant_dir(export, "fp32")), decoder(variant_dir(export, args.draft))
+    tokenizer = PromptTokenizer(export)
+    prompts = [tokenizer.encode(p, apply_chat_template=True) for p in load_test_prompts()[:args.prompts]]
+    max_len = max(map(len, prompts)) + args.tokens + max(args.draft_tokens) + 2
+    plain(target, prompts[0], 4, max_len)  # warm both sessions
+    speculative(target, draft, prompts[0], 4, 2, max_len)
+
+    started = time.perf_counter()
+    expected = [plain(target, p, args.tokens, max_len) for p in prompts]
+    plain_s = time.perf_counter() - started
+    total = len(prompts) * args.tokens
+    print(f"{len(prompts)} load-test prompts x {args.tokens} tokens, one at a time, {args.threads} threads")
+    print("| decoding | tok/s | x plain | identical to plain | tokens per fp32 call |\n| --- | --- | --- | --- | --- |")
+    print(f"| plain fp32 | {total / plain_s:.1f} | 1.00 | - | 1.00 |")
+    for k in args.draft_tokens:
+        started = time.perf_counter()
+        runs = [speculative(target, draft, p, args.tokens, k, max_len) for p in prompts]
+        seconds = time.perf_counter() - started
+        same = sum(answer == want for (answer, _), want in zip(runs, expected))
+        per_call = statistics.mean(args.tokens / rounds for _, rounds in runs)
+        print(f"| fp32 checking {k} {args.draft} drafts a round | {total / seconds:.1f} | {plain_s / seconds:.2f} | "
+              f"{same}/{len(prompts)} | {per_call:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
