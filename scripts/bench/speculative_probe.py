@@ -6,7 +6,9 @@ over the export without leaving fp32's answers?
     python -m scripts.bench.speculative_probe --draft-tokens 4 8 --prompts 42
 
 One row, in this process, on the two variants' fused graphs and their slot caches (python_backend/runtime/
-onnx_slot_decoder.py). Each load-test prompt (chat template applied) is decoded greedily for --tokens tokens twice:
+onnx_slot_decoder.py). Each load-test prompt (chat template applied) is decoded greedily for --tokens tokens:
+- the export's graph, plain: the export itself with its padded cache (the engine's KVBatch), one token a call: the
+  baseline issue 34 names;
 - plain: fp32, one token a call, as the engine decodes a lone row;
 - speculative: the draft variant (`fast`, 2.5x fp32's one-stream speed, its greedy text fp32's for 30 tokens on
   average: its parity report) proposes K tokens one call each; fp32 checks all of them in one call of K+1 tokens
@@ -52,6 +54,18 @@ def plain(target, prompt: list[int], tokens: int, max_len: int) -> list[int]:
     return out
 
 
+def plain_export(export, prompt: list[int], tokens: int) -> list[int]:
+    """The export's own graph and its padded cache (the GPU runtimes' path; fp32's served path before the fused
+    graph), as the engine's padded batch decodes a lone row: issue 34's baseline."""
+    from python_backend.engine.kv_batch import KVBatch
+
+    batch, logits, _ = KVBatch.prefill(export, [prompt])
+    out = [int(logits[0].argmax())]
+    while len(out) < tokens:
+        out.append(int(batch.step(export, np.array([out[-1]]))[0].argmax()))
+    return out
+
+
 def speculative(target, draft, prompt: list[int], tokens: int, k: int, max_len: int) -> tuple[list[int], int]:
     """The greedy answer and how many rounds (fp32 calls after the prompt) it took."""
     target_cache, draft_cache = slot_cache(target, max_len), slot_cache(draft, max_len)
@@ -86,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.capi import _pybind_state
 
     from python_backend.model_files import ONNX_FILE
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
     from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
     from python_backend.serving.tokenization import PromptTokenizer
     from scripts.prepare.quantize import variant_dir
@@ -93,28 +108,38 @@ def main(argv: list[str] | None = None) -> int:
 
     _pybind_state.set_global_thread_pool_sizes(args.threads, 1)  # before the first session
 
-    def decoder(folder):
+    def decoder(folder, kind=OnnxSlotDecoder):
         options = ort.SessionOptions()  # its thread counts are the pool's
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.use_per_session_threads = False
         session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
-        return OnnxSlotDecoder(None, session=session)
+        return kind(None, session=session)
 
     export = args.model_dir or default_model_dir()
     target, draft = decoder(variant_dir(export, "fp32")), decoder(variant_dir(export, args.draft))
+    export_graph = decoder(export, OnnxDecoder)
     tokenizer = PromptTokenizer(export)
     prompts = [tokenizer.encode(p, apply_chat_template=True) for p in load_test_prompts()[:args.prompts]]
     max_len = max(map(len, prompts)) + args.tokens + max(args.draft_tokens) + 2
-    plain(target, prompts[0], 4, max_len)  # warm both sessions
+    plain(target, prompts[0], 4, max_len)  # warm the sessions
+    plain_export(export_graph, prompts[0], 4)
     speculative(target, draft, prompts[0], 4, 2, max_len)
 
+    started = time.perf_counter()
+    from_export = [plain_export(export_graph, p, args.tokens) for p in prompts]
+    export_s = time.perf_counter() - started
     started = time.perf_counter()
     expected = [plain(target, p, args.tokens, max_len) for p in prompts]
     plain_s = time.perf_counter() - started
     total = len(prompts) * args.tokens
     print(f"{len(prompts)} load-test prompts x {args.tokens} tokens, one at a time, {args.threads} threads")
-    print("| decoding | tok/s | x plain | identical to plain | tokens per fp32 call |\n| --- | --- | --- | --- | --- |")
-    print(f"| plain fp32 | {total / plain_s:.1f} | 1.00 | - | 1.00 |")
+    print("| decoding | tok/s | x plain | x the export | identical to plain | tokens per fp32 call |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    same = sum(a == b for a, b in zip(from_export, expected))
+    print(f"| the export's graph (padded cache), plain | {total / export_s:.1f} | {plain_s / export_s:.2f} | 1.00 "
+          f"| {same}/{len(prompts)} | 1.00 |")
+    print(f"| fp32 (fused graph, slot cache), plain | {total / plain_s:.1f} | 1.00 | {export_s / plain_s:.2f} | - "
+          "| 1.00 |")
     for k in args.draft_tokens:
         started = time.perf_counter()
         runs = [speculative(target, draft, p, args.tokens, k, max_len) for p in prompts]
@@ -122,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(answer == want for (answer, _), want in zip(runs, expected))
         per_call = statistics.mean(args.tokens / rounds for _, rounds in runs)
         print(f"| fp32 checking {k} {args.draft} drafts a round | {total / seconds:.1f} | {plain_s / seconds:.2f} | "
-              f"{same}/{len(prompts)} | {per_call:.2f} |")
+              f"{export_s / seconds:.2f} | {same}/{len(prompts)} | {per_call:.2f} |")
     return 0
 
 
