@@ -5,8 +5,9 @@ over the export without leaving fp32's answers?
     python -m scripts.bench.speculative_probe                       # fp32 checked by the fast variant's drafts
     python -m scripts.bench.speculative_probe --draft-tokens 4 8 --prompts 42
 
-One row, in this process, on the two variants' fused graphs and their slot caches (python_backend/runtime/
-onnx_slot_decoder.py). Each load-test prompt (chat template applied) is decoded greedily for --tokens tokens:
+One row, in this process, on the fp32 and draft variants' fused graphs with their slot caches (python_backend/
+runtime/onnx_slot_decoder.py) and on the export's own graph. Each load-test prompt (chat template applied) is
+decoded greedily for --tokens tokens:
 - the export's graph, plain: the export itself with its padded cache (the engine's KVBatch), one token a call: the
   baseline issue 34 names;
 - plain: fp32, one token a call, as the engine decodes a lone row;
@@ -17,7 +18,7 @@ onnx_slot_decoder.py). Each load-test prompt (chat template applied) is decoded 
   its mask's sum, so the next call writes over it.
 The answers must be the plain ones token for token ("identical"), and the speed is output tokens over wall time.
 
-Both sessions run on one onnxruntime thread pool shared by the process (`set_global_thread_pool_sizes`): two pools
+All sessions run on one onnxruntime thread pool shared by the process (`set_global_thread_pool_sizes`): two pools
 of their own, alternating, each spinning while the other works, gave the speculative loop no gain at all (x0.96,
 2026-12-05); with spinning switched off in both, plain decoding lost 17%.
 """
