@@ -224,14 +224,13 @@ def llm_stream(server, inputs: dict, timeout_s: float = 300) -> tuple[list[int],
 # one process for every model given (a process each spent ~3 s importing torch again), with the greedy agreement of
 # their parity checks on the first 4 load-test prompts instead of all of them: of a tiny random model the whole set
 # says no more than 4 prompts do. The rest of the builds and their checks run as they are. A model's build ends with
-# a line of its own (BUILT_LINE), so that each failure is told with its own output.
-BUILT_LINE = "[export_tiny] {output}: exit {code}"
+# a line of its own (BUILT_MARK and [output, exit code] in JSON), so that each failure is told with its own output.
+BUILT_MARK = "[export_tiny] "
 _BUILD_ON_4_PROMPTS = """import json, sys, traceback
 from scripts.prepare import export_onnx, quantize, variant_parity
-from tests.helpers import BUILT_LINE
 all_prompts = variant_parity.load_test_prompts
 variant_parity.load_test_prompts = lambda: all_prompts()[:4]
-builds, variants = json.loads(sys.argv[1]), sys.argv[2:]
+mark, builds, variants = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
 for source, output in builds:
     try:
         code = export_onnx.main(["--source", source, "--output", output])
@@ -242,7 +241,7 @@ for source, output in builds:
     except Exception:
         traceback.print_exc()
         code = 1
-    print(BUILT_LINE.format(output=output, code=code), flush=True)
+    print(mark + json.dumps([output, code]), flush=True)
 """
 
 
@@ -255,15 +254,15 @@ def export_tinies(builds: list[tuple[Path, Path]], variants: tuple[str, ...] = (
 
     from scripts.paths import PROJECT_ROOT
 
-    command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, json.dumps([[str(s), str(o)] for s, o in builds]),
-               *variants]
+    command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, BUILT_MARK,
+               json.dumps([[str(s), str(o)] for s, o in builds]), *variants]
     done = subprocess.run(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    ended = re.compile(r"\[export_tiny\] (.*): exit (-?\d+)")  # BUILT_LINE
     results, lines = {}, []
     for line in done.stdout.splitlines(keepends=True):
-        if match := ended.fullmatch(line.rstrip("\n")):
-            results[Path(match[1])] = None if match[2] == "0" else "".join(lines)[-3000:]
+        if line.startswith(BUILT_MARK):
+            output, code = json.loads(line[len(BUILT_MARK):])
+            results[Path(output)] = None if code == 0 else "".join(lines)[-3000:]
             lines = []
         else:
             lines.append(line)

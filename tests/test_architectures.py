@@ -35,14 +35,19 @@ def test_each_cell_is_read_from_the_builds_own_lines():
         "failed (exit 1): RuntimeError: the kernel said no")
 
 
-def test_every_architectures_config_is_tiny_and_keeps_its_own_features(model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    tiny = configs(tokenizer)
+@pytest.fixture(scope="module")
+def auto_tokenizer(model_dir):
+    """The served model's tokenizer, which every tiny model takes."""
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def test_every_architectures_config_is_tiny_and_keeps_its_own_features(auto_tokenizer):
+    tiny = configs(auto_tokenizer)
     assert len(tiny) == 8
     assert {name.split()[0] for name in tiny} == {*SERVED, "gemma2"}, "every architecture of the table is served here"
     for name, config in tiny.items():
         assert config.num_hidden_layers == 4 and config.hidden_size == 64, name
-        assert config.vocab_size == len(tokenizer), name
+        assert config.vocab_size == len(auto_tokenizer), name
     assert tiny["gemma2 (soft caps, sliding window)"].attn_logit_softcapping == 5.0
     assert tiny["granite (multipliers)"].logits_scaling == 8.0
     assert tiny["qwen2 (biases)"].model_type == "qwen2" and tiny["olmo2 (post-norms, q/k norms)"].model_type == "olmo2"
@@ -117,18 +122,17 @@ def test_a_model_class_the_builder_does_not_take_is_refused_before_any_work(tmp_
 
 
 @pytest.fixture(scope="module")
-def built(request, model_dir, tmp_path_factory) -> dict[str, tuple]:
+def built(request, auto_tokenizer, tmp_path_factory) -> dict[str, tuple]:
     """Each architecture of SERVED this session runs, its tiny model made, exported and built as the default variant
     in one process (export_tinies): architecture -> (its folder, its export, its build's failure or None)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     running = {item.callspec.params["architecture"] for item in request.session.items
                if item.originalname == test_each_architectures_default_variant_is_built_and_served_token_exact.__name__}
     # 2 layers: what sets each apart is in every layer, and torch.export takes 6 s less than for the table's 4
-    tiny = {name.split()[0]: config for name, config in configs(tokenizer, layers=2).items()}
+    tiny = {name.split()[0]: config for name, config in configs(auto_tokenizer, layers=2).items()}
     work = tmp_path_factory.mktemp("architectures")
     folders = {name: (work / name, work / f"{name}-export") for name in SERVED if name in running}
     for name, (source, _) in folders.items():
-        make(tiny[name], tokenizer, source)
+        make(tiny[name], auto_tokenizer, source)
     failures = export_tinies(list(folders.values()), variants=("fp32",))
     return {name: (source, export, failures[export]) for name, (source, export) in folders.items()}
 
@@ -136,7 +140,8 @@ def built(request, model_dir, tmp_path_factory) -> dict[str, tuple]:
 @pytest.mark.server
 @pytest.mark.models
 @pytest.mark.parametrize("architecture", SERVED)
-def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, built, model_dir, tmp_path):
+def test_each_architectures_default_variant_is_built_and_served_token_exact(architecture, built, auto_tokenizer,
+                                                                            tmp_path):
     """`make model SOURCE=<folder>` then `make serve`: the export and its fp32 variant (the fused graph, with the
     architecture's rope scaling, biases, q/k norms, fused projections or multipliers taken from its config; OLMo 2's
     on the export's graph) pass their parity checks, and a real tritonserver's greedy text is transformers' own on
@@ -147,6 +152,5 @@ def test_each_architectures_default_variant_is_built_and_served_token_exact(arch
     assert failure is None, failure
     graph = quantize.variant_graph(export, quantize.RECIPES["fp32"])[0]
     assert graph == (quantize.EXPORT if architecture == "olmo2" else quantize.FUSED)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    result = served(source, quantize.variant_dir(export, "fp32"), tokenizer, tmp_path / "server.log")
+    result = served(source, quantize.variant_dir(export, "fp32"), auto_tokenizer, tmp_path / "server.log")
     assert result == f"{len(SERVED_PROMPTS)}/{len(SERVED_PROMPTS)} token-exact"
