@@ -18,8 +18,9 @@ from python_backend.engine.prefix_cache import PrefixCache
 from python_backend.engine.sampling import prompt_token_logprobs
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig, cache_bound
 from python_backend.engine.sequence import Sequence
+from python_backend.engine.speculative import Drafter, SpeculationCounts
 from python_backend.engine.step_output import (Decoded, EngineState, Event, Failed, NewTokens, Prefilled, PrefixLookup,
-                                               StepOutput)
+                                               Speculated, StepOutput)
 from python_backend.errors import InvalidRequestError, UnavailableError
 
 # A cancel whose key matches no sequence came after its sequence finished, or overtook its request: kept this long
@@ -38,6 +39,17 @@ def open_kv_cache(decoder, config: SchedulerConfig):
             raise ValueError("a slot KV cache needs the scheduler config's max_context_length (the slots' length)")
         return SlotKVCache(decoder, config.max_batch_size, config.max_context_length)
     return PaddedKVCache(decoder)
+
+
+def check_drafter(drafter: Drafter, decoder, cache) -> None:
+    """Speculative decoding needs the served graph's logits at every new position, on a slot cache, and a draft of
+    the same vocabulary."""
+    if cache.layout != "slots" or not getattr(decoder, "scores_prompts", False):
+        raise ValueError("speculative decoding needs a fused graph's slot KV cache whose graph gives every position's "
+                         "logits (a QUANT variant's folder, built since prompt scoring)")
+    if drafter.decoder.vocab_size != decoder.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({drafter.decoder.vocab_size} tokens) is not the served "
+                         f"model's ({decoder.vocab_size})")
 
 
 def open_prefix_cache(cache, config: SchedulerConfig) -> PrefixCache | None:
@@ -69,14 +81,21 @@ class EngineCore:
 
     add() and cancel() change the waiting queue and the cancel keys, and a step reads them holding ``intake_lock``:
     a caller on several threads passes the lock that it holds around add() and cancel() (loop.py). The step's
-    parts are generators of the events they make (``yield from`` runs them)."""
+    parts are generators of the events they make (``yield from`` runs them).
 
-    def __init__(self, decoder, config: SchedulerConfig, intake_lock=None):
+    drafter: speculative decoding (speculative.py) for a row decoding alone, on a slot cache whose graph gives every
+    position's logits; None: one token a step for every row."""
+
+    def __init__(self, decoder, config: SchedulerConfig, intake_lock=None, drafter: Drafter | None = None):
         self.decoder = decoder
         self.cache = open_kv_cache(decoder, config)
         if config.kv_layout != self.cache.layout:
             raise ValueError(f"the scheduler counts a {config.kv_layout} KV cache, the decoder writes "
                              f"{self.cache.layout}")
+        if drafter is not None:
+            check_drafter(drafter, decoder, self.cache)
+        self.drafter = drafter
+        self.speculation = SpeculationCounts()
         self.prefix = open_prefix_cache(self.cache, config)
         self.config = config
         self.scheduler = Scheduler(config)
@@ -376,6 +395,9 @@ class EngineCore:
         return count
 
     def _decode(self, rows: int) -> Iterator[Event]:
+        if self.drafter is not None and rows == len(self.running) == 1 and self._speculates(self.running[0]):
+            yield from self._decode_speculative(self.running[0])
+            return
         logits = self.cache.step(self._next_tokens) if rows == len(self.running) else \
             self.cache.step(self._next_tokens, rows)
         live = [row for row in range(rows) if not self.running[row].finished]
@@ -386,6 +408,54 @@ class EngineCore:
         self._next_tokens[live] = chosen
         for row in live:
             yield from self._emit(self.running[row])
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether this lone row decodes speculatively: greedy (a sampled row would rarely keep a draft), the base
+        model (the draft knows no adapter), and room for a draft and the served model's token after it."""
+        return (not seq.finished and seq.params.greedy and seq.adapter is None and seq.remaining_tokens() >= 2
+                and seq.output_ids[-1:] == [int(self._next_tokens[0])])
+
+    def _decode_speculative(self, seq: Sequence) -> Iterator[Event]:
+        """One round for the lone row 0: the draft proposes k tokens, the served model computes the row's next token
+        and the k drafts in one call, and the row takes each position's choice while the draft before it was that
+        choice. 1 to k + 1 tokens, each the one plain decoding would have chosen from these logits."""
+        k = min(self.drafter.draft_tokens, seq.remaining_tokens() - 1)
+        tokens = seq.prompt_ids + seq.output_ids
+        try:
+            proposed = self.drafter.propose(seq.key, tokens, k)
+        except Exception as error:  # noqa: BLE001 - the draft is an optimisation: the row decodes plainly instead
+            print(f"[engine] draft model failed, decoding plainly: {type(error).__name__}: {error}", file=sys.stderr,
+                  flush=True)
+            self.drafter.forget()
+            logits = self.cache.step(self._next_tokens)
+            yield Decoded(1, 0)
+            yield from self._choose_in_turn(seq, logits, [])
+            return
+        length = int(self.cache.lengths[0])
+        logits = self.cache.extend(0, [int(self._next_tokens[0]), *proposed])
+        yield Decoded(1, 0)
+        kept = yield from self._choose_in_turn(seq, logits, proposed)
+        self.cache.truncate(0, length + 1 + kept)
+        self.drafter.accept(kept)
+        self.speculation.rounds += 1
+        self.speculation.proposed += k
+        self.speculation.accepted += kept
+        yield Speculated(k, kept)
+
+    def _choose_in_turn(self, seq: Sequence, logits: np.ndarray, proposed: list[int]):
+        """Row 0's tokens from its positions' logits in turn, going on while the token chosen is the draft fed next;
+        its tokens are emitted. Returns how many drafts it kept."""
+        kept = 0
+        while True:
+            chosen, failed = choose_next([seq], logits[kept:kept + 1])
+            for failed_seq, error in failed:
+                yield from self._fail(failed_seq, error)
+            self._next_tokens[0] = chosen[0]
+            if failed or seq.finished or kept == len(proposed) or int(chosen[0]) != proposed[kept]:
+                break
+            kept += 1
+        yield from self._emit(seq)
+        return kept
 
     def _retire(self) -> None:
         """Frees the cache rows that the scheduler lets go."""

@@ -190,6 +190,26 @@ class SlotKVCache:
         self.lengths[:rows] = grown
         return logits[:, -1, :]
 
+    def extend(self, r: int, tokens: list[int]) -> np.ndarray:
+        """Feeds several tokens to row r alone, appended at its length (speculative decoding's check: the kernel
+        takes more than one new token after a past for one row); returns the logits of each new position
+        [len(tokens), vocab]. The row then holds them all: ``truncate`` drops those that turned out wrong."""
+        length = int(self.lengths[r])
+        if length + len(tokens) > self.max_len:
+            raise ValueError(f"row {r}: {length} + {len(tokens)} tokens exceed its slot of {self.max_len}")
+        logits = self.decoder.forward_in_place(np.array([tokens], np.int64), np.ones((1, length + len(tokens)),
+                                                                                     np.int64),
+                                               self.row(r), all_positions=True,
+                                               **self._adapter_inputs(self.adapters[r:r + 1]))
+        self.lengths[r] = length + len(tokens)
+        return logits[0]
+
+    def truncate(self, r: int, length: int) -> None:
+        """Row r keeps its first ``length`` tokens (the next call writes over the rest)."""
+        if not 0 < length <= self.lengths[r]:
+            raise ValueError(f"row {r} holds {self.lengths[r]} tokens: cannot keep {length}")
+        self.lengths[r] = length
+
     def swap(self, a: int, b: int) -> None:
         """Rows a and b trade slots (their tokens are copied), so that the rows a step decodes come first."""
         used = int(max(self.lengths[a], self.lengths[b]))

@@ -15,7 +15,8 @@ from python_backend.engine.core import EngineCore, QueueFullError
 from python_backend.engine.outbox import Outbox
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
-from python_backend.engine.step_output import Decoded, Event, Failed, NewTokens, Prefilled, PrefixLookup, StepOutput
+from python_backend.engine.step_output import (Decoded, Event, Failed, NewTokens, Prefilled, PrefixLookup, Speculated,
+                                               StepOutput)
 from python_backend.errors import UnavailableError
 
 __all__ = ["Engine", "EngineObserver", "QueueFullError", "generate"]
@@ -45,6 +46,9 @@ class EngineObserver:
     def on_adapter_tokens(self, adapter: str, count: int, finished: bool) -> None:
         """LoRA: count tokens handed out to a sequence of this adapter, and whether the sequence ended."""
 
+    def on_speculation(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: one round's draft tokens checked, and of them kept."""
+
     def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         pass
 
@@ -66,6 +70,8 @@ def deliveries(events: Iterable[Event], observer: EngineObserver) -> Iterator[tu
                 yield observer.on_decode, (batch_size, dead_rows)
             case PrefixLookup(queried, hits, evicted):
                 yield observer.on_prefix_lookup, (queried, hits, evicted)
+            case Speculated(proposed, accepted):
+                yield observer.on_speculation, (proposed, accepted)
 
 
 def send_tokens(observer: EngineObserver, seq: Sequence, new: list[int], finished: bool, logprobs) -> None:
@@ -92,11 +98,11 @@ class Engine:
     Until start(), step() runs in place and delivers on the caller's thread."""
 
     def __init__(self, decoder, config: SchedulerConfig, observer: EngineObserver | None = None,
-                 outbox_capacity: int = 4096):
+                 outbox_capacity: int = 4096, drafter=None):
         self.observer = observer or EngineObserver()
         self.outbox_capacity = outbox_capacity
         self._lock = threading.Condition()
-        self.core = EngineCore(decoder, config, intake_lock=self._lock)
+        self.core = EngineCore(decoder, config, intake_lock=self._lock, drafter=drafter)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._outbox: Outbox | None = None  # set while running on a thread; else callbacks run in place

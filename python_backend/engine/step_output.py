@@ -39,6 +39,13 @@ class Decoded:
 
 
 @dataclass
+class Speculated:
+    """One speculative round of a lone row: the draft tokens the served model checked, and how many it kept."""
+    proposed: int
+    accepted: int
+
+
+@dataclass
 class PrefixLookup:
     """Prefix caching during one step: prompt tokens looked up, of them found in the cache, blocks evicted."""
     queried: int
@@ -54,7 +61,7 @@ class EngineState:
     prefix_cache_bytes: int = 0  # the prefix cache's blocks, apart from the running sequences' kv_bytes
 
 
-Event = NewTokens | Failed | Prefilled | Decoded | PrefixLookup
+Event = NewTokens | Failed | Prefilled | Decoded | PrefixLookup | Speculated
 
 
 @dataclass

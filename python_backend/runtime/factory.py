@@ -127,6 +127,18 @@ def _fused(settings: RuntimeSettings, onnx_path: Path, limits: ServingLimits, pr
     return OnnxSlotDeviceDecoder(_gpu_session(settings, onnx_path, tensors, limits, project_root), tensors)
 
 
+def open_draft_decoder(settings: RuntimeSettings, draft_dir: Path, limits: ServingLimits, project_root: Path):
+    """Speculative decoding's draft model (python_backend/engine/speculative.py): a variant's fused graph, on the
+    served model's runtime and device, without adapters."""
+    from python_backend.model_files import ONNX_FILE
+    from python_backend.runtime.onnx_slot_decoder import is_fused_graph
+
+    onnx_path = draft_dir / ONNX_FILE
+    if not (onnx_path.is_file() and is_fused_graph(onnx_path)):
+        raise ValueError(f"a draft model is a QUANT variant's folder (a fused graph): {draft_dir} is not")
+    return _fused(replace(settings, adapters=False), onnx_path, limits, project_root)
+
+
 def _adapter_graph(model_dir: Path) -> Path:
     from python_backend.model_files import ADAPTER_ONNX_FILE
 

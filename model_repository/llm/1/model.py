@@ -14,15 +14,18 @@ import triton_python_backend_utils as pb_utils
 
 from python_backend.engine.loop import Engine
 from python_backend.engine.scheduler import SchedulerConfig
+from python_backend.engine.speculative import Drafter
 from python_backend.errors import InvalidRequestError, tagged_message
 from python_backend.guided.compiler import GuideCompiler
 from python_backend.model_files import ModelSettings, resolve_model_dir
 from python_backend.runtime.decoder import ServingLimits
-from python_backend.runtime.factory import RuntimeSettings, open_decoder
+from python_backend.runtime.factory import RuntimeSettings, open_decoder, open_draft_decoder
+from python_backend.runtime.onnx_decoder import share_thread_pool
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.serving.heartbeat import Heartbeat
 from python_backend.serving.llm_adapters import LoraSettings, adapter_for, adapter_request, apply_control, open_store
 from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, prompt_score_arrays, sequence_from_inputs
+from python_backend.serving.llm_speculation import SpeculationSettings
 from python_backend.serving.request_inputs import scalar
 from python_backend.serving.triton_glue import error_response, getter, model_config, parameters
 from python_backend.serving.triton_metrics import TritonMetricsObserver
@@ -41,12 +44,24 @@ class TritonPythonModel:
         device_id = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
         self.lora = LoraSettings.from_parameters(params)
         self.project_root = project_root = Path(args["model_repository"]).resolve().parent.parent
-        decoder = open_decoder(
-            replace(RuntimeSettings.from_parameters(params, device_id), adapters=self.lora.enabled), model_dir,
-            ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length),
-            project_root=project_root)
+        runtime = replace(RuntimeSettings.from_parameters(params, device_id), adapters=self.lora.enabled)
+        serving_limits = ServingLimits(max_batch_size, int(params["max_prefill_tokens"]), max_context_length)
+        speculation = SpeculationSettings.from_parameters(params)
+        draft_dir = speculation.draft_dir(model_dir, self.settings, project_root)
+        if draft_dir is not None and not runtime.uses_gpu:  # before any session: the draft and the model take turns
+            share_thread_pool(runtime.intra_op_threads)
+        decoder = open_decoder(runtime, model_dir, serving_limits, project_root=project_root)
         print(f"[llm] {args['model_instance_name']}: {type(decoder).__name__}, KV cache on {decoder.tensors.device}",
               file=sys.stderr, flush=True)
+        drafter = None
+        if draft_dir is not None and not decoder.scores_prompts:
+            print(f"[llm] speculative decoding off: {model_dir}'s graph gives the last position's logits only (build "
+                  "the variant again: make model QUANT=...)", file=sys.stderr, flush=True)
+        elif draft_dir is not None:
+            drafter = Drafter(open_draft_decoder(runtime, draft_dir, serving_limits, project_root),
+                              speculation.draft_tokens, max_context_length)
+            print(f"[llm] speculative decoding: a row decoding alone checks {speculation.draft_tokens} tokens of "
+                  f"{draft_dir} a step", file=sys.stderr, flush=True)
         decoder = maybe_faulty(decoder)
         self.limits = LlmLimits(
             vocab_size=decoder.vocab_size,
@@ -75,7 +90,7 @@ class TritonPythonModel:
         observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
                                                     "variant": self.settings.quantization})
         observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
-        self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]))
+        self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]), drafter=drafter)
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
         self.heartbeat.start()
