@@ -47,7 +47,9 @@ class EngineObserver:
         """LoRA: count tokens handed out to a sequence of this adapter, and whether the sequence ended."""
 
     def on_speculation(self, proposed: int, accepted: int) -> None:
-        """Speculative decoding: one round's draft tokens checked, and of them kept."""
+        """Speculative decoding: one round's draft tokens checked (positions the served model computed besides the
+        row's own token, which on_decode counts), and of them kept."""
+        self.computed_tokens += proposed
 
     def on_state(self, running: int, waiting: int, kv_bytes: int, prefix_cache_bytes: int = 0) -> None:
         pass

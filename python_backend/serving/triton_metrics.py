@@ -56,6 +56,11 @@ class TritonMetricsObserver(EngineObserver):
                                    "Prefix cache blocks dropped, least recently used first", family.COUNTER)
         self.prefix_bytes = make("llm_prefix_cache_bytes",
                                  "Bytes held by cached prompt prefixes (apart from llm_kv_cache_bytes)", family.GAUGE)
+        # Speculative decoding (speculative_draft), as vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens.
+        self.draft_tokens = make("llm_spec_decode_draft_tokens_total",
+                                 "Draft tokens the served model checked (speculative decoding)", family.COUNTER)
+        self.accepted_tokens = make("llm_spec_decode_accepted_tokens_total",
+                                    "Draft tokens kept: the tokens the served model chose", family.COUNTER)
         # The bounds, so that alerts can compare with them (queue near full, KV cache near its budget).
         self.max_queue = make("llm_max_queue_size", "Waiting sequences beyond this are refused", family.GAUGE)
         self.kv_budget = make("llm_kv_cache_budget_bytes",
@@ -85,6 +90,13 @@ class TritonMetricsObserver(EngineObserver):
             self.ttft.observe(ttft)
         if itl is not None:
             self.itl.observe(itl)
+
+    def on_speculation(self, proposed: int, accepted: int) -> None:
+        super().on_speculation(proposed, accepted)
+        self.computed.increment(proposed)
+        self.draft_tokens.increment(proposed)
+        if accepted:
+            self.accepted_tokens.increment(accepted)
 
     def on_prefix_lookup(self, queried: int, hits: int, evicted_blocks: int) -> None:
         self.prefix_queries.increment(queried)
