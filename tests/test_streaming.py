@@ -121,13 +121,18 @@ def test_metrics_count_one_request_exactly_and_carry_model_and_strategy_labels(s
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     assert delta["llm_output_tokens_total"] == n
     assert delta["llm_time_to_first_token_seconds_count"] == 1 and delta["llm_time_to_first_token_seconds_sum"] > 0
-    assert delta["llm_inter_token_latency_seconds_count"] == n - 1  # one response per later token
     decode_steps = delta["llm_batch_size_count"]
-    assert decode_steps in (n - 1, n)  # the first token comes from the prefill; one more step if it ended at EOS
     assert delta["llm_batch_size_sum"] == decode_steps  # alone: every step had one row
+    # Alone and greedy, the request decodes speculatively (the config's speculative_draft): a step gives it the
+    # drafts it kept and one token more. The first token comes from the prefill; the last step may end at EOS.
+    drafts, kept = delta["llm_spec_decode_draft_tokens_total"], delta.get("llm_spec_decode_accepted_tokens_total", 0)
+    assert drafts > 0 and kept <= drafts
+    assert n - 1 in (decode_steps + kept, decode_steps + kept - 1)
+    # one response per step that gave tokens: the TTFT's, then one inter-token latency each
+    assert delta["llm_inter_token_latency_seconds_count"] in (decode_steps, decode_steps - 1)
     prompt_tokens = len(tokenizer.encode(request["text_input"], apply_chat_template=True))
     cached = delta.get("llm_prefix_cache_hits_total", 0)  # the chat template's opening, when another request left it
-    assert delta["llm_computed_tokens_total"] == prompt_tokens - cached + decode_steps
+    assert delta["llm_computed_tokens_total"] == prompt_tokens - cached + decode_steps + drafts
     assert delta["llm_padding_tokens_total"] == 0
     assert after["llm_kv_cache_bytes"] == 0 and 0 <= after["llm_padding_waste_ratio"] < 1
     # Every llm_ sample on this server is labelled with its model and a strategy: the request above was counted

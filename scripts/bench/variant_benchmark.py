@@ -9,6 +9,9 @@ all N sent at once (median of --repeats runs); resident memory of the llm model'
 bytes per token; model file size; greedy agreement with fp32 PyTorch from the folder's parity report (42 prompts x
 64 tokens), and on this workload (the single-stream answers' text against fp32 PyTorch greedy's, as the peers').
 
+Each variant is served as configured: speculative decoding on (model_repository/llm/config.pbtxt's
+speculative_draft, the fast variant's drafts while a request decodes alone); --no-speculation serves plain decoding.
+
 --peers: llama.cpp's server and onnxruntime-genai's generator on the same workload (scripts/bench/peers.py; built
 once by `python -m scripts.bench.peers --build`, about 8 minutes), in a second table beside the variants.
 """
@@ -25,6 +28,7 @@ from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, PARITY_REPORT_F
 from python_backend.runtime.onnx_decoder import file_cache_shape
 from scripts.bench import peers
 from scripts.bench.workload import median_run, server_row, through_server, workload
+from scripts.launcher.model_control import reload_llm
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.quantize import EXPORT_VARIANT, QUANT_CHOICES, variant_dir
@@ -68,13 +72,16 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int,
-            reference: list[str] | None = None) -> VariantRow:
-    """reference: fp32 PyTorch greedy's answers as text (default: the served model's, reference_texts())."""
+            reference: list[str] | None = None, speculation: bool = True) -> VariantRow:
+    """reference: fp32 PyTorch greedy's answers as text (default: the served model's, reference_texts());
+    speculation False: the llm model reloaded with speculative_draft "" (plain decoding) before the runs."""
     report = json.loads((model_dir / PARITY_REPORT_FILE).read_text())
     greedy = report.get("greedy_agreement")
     log_path = BUILD_DIR / f"benchmark-variant-{variant}.log"
     with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())}) as ports:
         grpc = f"127.0.0.1:{ports.grpc}"
+        if not speculation:
+            reload_llm(f"127.0.0.1:{ports.http}", speculative_draft="")
         through_server(requests[:2], grpc, concurrent=True)  # warm-up
         log(f"{variant}: {len(requests)} requests one at a time")
         alone, _ = through_server(requests, grpc, concurrent=False)
@@ -99,14 +106,15 @@ def reference_texts(requests: list[dict]) -> list[str]:
     return [peers.project_tokenizer().decode(ids) for ids in reference]
 
 
-def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: int) -> list[VariantRow]:
+def run(variants: list[str], export_dir: Path, requests: list[dict], repeats: int,
+        speculation: bool = True) -> list[VariantRow]:
     rows = []
     for variant in variants:
         model_dir = variant_dir(export_dir, variant)
         if not (model_dir / PARITY_REPORT_FILE).is_file():
             raise SystemExit(f"no {variant} variant at {model_dir}: run `make model QUANT={variant}`"
                              if variant != EXPORT_VARIANT else f"no export at {model_dir}: run `make model`")
-        rows.append(measure(variant, model_dir, requests, repeats))
+        rows.append(measure(variant, model_dir, requests, repeats, speculation=speculation))
     return rows
 
 
@@ -154,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=BUILD_DIR / "benchmark-variants.json")
     parser.add_argument("--peers", action="store_true", help="also llama.cpp's server and onnxruntime-genai's "
                                                              "generator on the same workload (scripts/bench/peers.py)")
+    parser.add_argument("--no-speculation", action="store_true",
+                        help="serve each variant with speculative_draft \"\" (plain decoding; the config's default "
+                             "checks the fast variant's drafts while a request decodes alone)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = set(variants) - {EXPORT_VARIANT, *QUANT_CHOICES}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {(EXPORT_VARIANT, *QUANT_CHOICES)}")
     requests = workload(args.requests)
-    rows = run(variants, args.export_dir, requests, args.repeats)
+    rows = run(variants, args.export_dir, requests, args.repeats, speculation=not args.no_speculation)
     print(table(rows, args.requests))
     peer_rows = peers.peer_rows(requests) if args.peers else []
     if peer_rows:
