@@ -135,5 +135,12 @@ def test_the_draft_parameter_names_a_variant_beside_the_served_folder(tmp_path, 
     assert missing.draft_dir(fp32, ModelSettings.load(fp32), root) is None
     assert "`make model QUANT=int2` builds a variant" in capsys.readouterr().err
     assert SpeculationSettings.from_parameters({}).draft_dir(fp32, ModelSettings.load(fp32), root) is None
+    int4 = variant_folder(model_dir, "int4")
+    pairs = SpeculationSettings.from_parameters({"speculative_draft": "fp32=fast, fp16 = fast"})
+    assert pairs.draft_dir(fp32, ModelSettings.load(fp32), root) == fast
+    assert pairs.draft_dir(int4, ModelSettings.load(int4), root) is None
+    assert "names no draft for int4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="served=draft pairs"):
+        SpeculationSettings.from_parameters({"speculative_draft": "fp32=fast,int4"})
     with pytest.raises(ValueError, match="at least 1"):
         SpeculationSettings.from_parameters({"speculative_draft": "fast", "speculative_tokens": "0"})

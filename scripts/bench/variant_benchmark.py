@@ -10,7 +10,8 @@ bytes per token; model file size; greedy agreement with fp32 PyTorch from the fo
 64 tokens), and on this workload (the single-stream answers' text against fp32 PyTorch greedy's, as the peers').
 
 Each variant is served as configured: speculative decoding on (model_repository/llm/config.pbtxt's
-speculative_draft, the fast variant's drafts while a request decodes alone); --no-speculation serves plain decoding.
+speculative_draft: fp32 and fp16 check the fast variant's drafts while a request decodes alone); --no-speculation
+serves plain decoding.
 
 --peers: llama.cpp's server and onnxruntime-genai's generator on the same workload (scripts/bench/peers.py; built
 once by `python -m scripts.bench.peers --build`, about 8 minutes), in a second table beside the variants.
@@ -28,7 +29,7 @@ from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, PARITY_REPORT_F
 from python_backend.runtime.onnx_decoder import file_cache_shape
 from scripts.bench import peers
 from scripts.bench.workload import median_run, server_row, through_server, workload
-from scripts.launcher.model_control import reload_llm
+from scripts.launcher.model_control import SERVED_MODELS, reload_llm
 from scripts.launcher.triton_server import running_server
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.quantize import EXPORT_VARIANT, QUANT_CHOICES, variant_dir
@@ -78,7 +79,8 @@ def measure(variant: str, model_dir: Path, requests: list[dict], repeats: int,
     report = json.loads((model_dir / PARITY_REPORT_FILE).read_text())
     greedy = report.get("greedy_agreement")
     log_path = BUILD_DIR / f"benchmark-variant-{variant}.log"
-    with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())}) as ports:
+    with running_server(log_path=log_path, env={MODEL_DIR_ENV: str(model_dir.resolve())},
+                        explicit_models=None if speculation else SERVED_MODELS) as ports:
         grpc = f"127.0.0.1:{ports.grpc}"
         if not speculation:
             reload_llm(f"127.0.0.1:{ports.http}", speculative_draft="")
@@ -163,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true", help="also llama.cpp's server and onnxruntime-genai's "
                                                              "generator on the same workload (scripts/bench/peers.py)")
     parser.add_argument("--no-speculation", action="store_true",
-                        help="serve each variant with speculative_draft \"\" (plain decoding; the config's default "
-                             "checks the fast variant's drafts while a request decodes alone)")
+                        help="serve each variant with speculative_draft \"\" (plain decoding; by the config's default fp32 "
+                             "and fp16 check the fast variant's drafts while a request decodes alone)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = set(variants) - {EXPORT_VARIANT, *QUANT_CHOICES}
