@@ -4,6 +4,7 @@ over the export without leaving fp32's answers?
 
     python -m scripts.bench.speculative_probe                       # fp32 checked by the fast variant's drafts
     python -m scripts.bench.speculative_probe --draft-tokens 4 8 --prompts 42
+    python -m scripts.bench.speculative_probe --engine-parity        # the served path against fp32 PyTorch
 
 One row, in this process, on the fp32 and draft variants' fused graphs with their slot caches (python_backend/
 runtime/onnx_slot_decoder.py) and on the export's own graph. Each load-test prompt (chat template applied) is
@@ -17,6 +18,10 @@ decoded greedily for --tokens tokens:
   would not have chosen and adds its own token there. Both caches then drop what was not kept: a row's length is
   its mask's sum, so the next call writes over it.
 The answers must be the plain ones token for token ("identical"), and the speed is output tokens over wall time.
+
+--engine-parity: the engine itself as it serves (python_backend/engine/speculative.py, 6 drafts a round), each of the
+42 parity prompts alone, greedy, 64 tokens: its answers against fp32 PyTorch's (the variants' parity report's
+reference, scripts/prepare/variant_parity.py), which the report's own batched run never drafts for.
 
 All sessions run on one onnxruntime thread pool shared by the process (`set_global_thread_pool_sizes`): two pools
 of their own, alternating, each spinning while the other works, gave the speculative loop no gain at all (x0.96,
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from python_backend.engine.speculative import DEFAULT_DRAFT_TOKENS
 from scripts.paths import default_model_dir
 
 
@@ -87,15 +93,57 @@ def speculative(target, draft, prompt: list[int], tokens: int, k: int, max_len: 
     return out[:tokens], rounds
 
 
+def engine_parity(target, draft, export: Path, draft_tokens: int) -> tuple[int, int, float, float]:
+    """The engine with a drafter, each parity prompt alone: (identical to fp32 PyTorch, prompts, tok/s, mean
+    tokens a round)."""
+    import functools
+    import json
+
+    from python_backend.engine.core import EngineCore
+    from python_backend.engine.sampling import SamplingParams
+    from python_backend.engine.scheduler import SchedulerConfig
+    from python_backend.engine.sequence import Sequence
+    from python_backend.engine.speculative import Drafter
+    from python_backend.model_files import SETTINGS_FILE
+    from python_backend.serving.tokenization import PromptTokenizer
+    from scripts.prepare.variant_parity import (GREEDY_TOKENS, agreement, load_reference_model, load_test_prompts,
+                                                reference_greedy)
+
+    tokenizer = PromptTokenizer(export)
+    prompts = [tokenizer.encode(p, apply_chat_template=False) for p in load_test_prompts()]
+    hf_dir = json.loads((export / SETTINGS_FILE).read_text())["hf_dir"]
+    reference = reference_greedy(export, functools.cache(lambda: load_reference_model(hf_dir)), prompts)
+    max_len = max(map(len, prompts)) + GREEDY_TOKENS + 1
+    config = SchedulerConfig(max_batch_size=1, kv_budget_tokens=4 * max_len, kv_layout="slots",
+                             max_context_length=max_len)
+    drafter, answers, rounds = Drafter(draft, draft_tokens, max_len), [], 0
+    started = time.perf_counter()
+    for prompt in prompts:
+        core = EngineCore(target, config, drafter=drafter)
+        seq = Sequence(prompt_ids=prompt, params=SamplingParams(max_tokens=GREEDY_TOKENS))  # EOS does not stop it
+        core.add(seq)
+        while core.step().progressed:
+            pass
+        answers.append(seq.output_ids)
+        rounds += core.speculation.rounds
+    seconds = time.perf_counter() - started
+    same = agreement(answers, reference)["identical"]
+    return same, len(prompts), len(prompts) * GREEDY_TOKENS / seconds, len(prompts) * (GREEDY_TOKENS - 1) / rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=None, help="the fp32 export (default: make model's)")
     parser.add_argument("--draft", default="fast", help="the draft variant (default: fast)")
-    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 6, 8], help="K: drafts a round")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=None,
+                        help="K: drafts a round (default 4 6 8; with --engine-parity the engine's 6)")
     parser.add_argument("--prompts", type=int, default=12, help="how many load-test prompts (of 42)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--engine-parity", action="store_true", help="the engine with drafts against fp32 PyTorch")
     args = parser.parse_args(argv)
+    if args.draft_tokens is None and not args.engine_parity:
+        args.draft_tokens = [4, 6, 8]
 
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state
@@ -118,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
 
     export = args.model_dir or default_model_dir()
     target, draft = decoder(variant_dir(export, "fp32")), decoder(variant_dir(export, args.draft))
+    if args.engine_parity:
+        k = args.draft_tokens[0] if args.draft_tokens else DEFAULT_DRAFT_TOKENS
+        same, count, rate, per_round = engine_parity(target, draft, export, k)
+        print(f"the engine, fp32 checking {k} {args.draft} drafts, each prompt alone: {same}/{count} greedy answers "
+              f"identical to fp32 PyTorch over 64 tokens; {rate:.1f} tok/s, {per_round:.2f} tokens a round")
+        return 0
     export_graph = decoder(export, OnnxDecoder)
     tokenizer = PromptTokenizer(export)
     prompts = [tokenizer.encode(p, apply_chat_template=True) for p in load_test_prompts()[:args.prompts]]

@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true", help="also llama.cpp's server and onnxruntime-genai's "
                                                              "generator on the same workload (scripts/bench/peers.py)")
     parser.add_argument("--no-speculation", action="store_true",
-                        help="serve each variant with speculative_draft \"\" (plain decoding; by the config's default fp32 "
-                             "and fp16 check the fast variant's drafts while a request decodes alone)")
+                        help="serve each variant with speculative_draft \"\" (plain decoding; by the config's "
+                             "default fp32 and fp16 check the fast variant's drafts while a request decodes alone)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = set(variants) - {EXPORT_VARIANT, *QUANT_CHOICES}
