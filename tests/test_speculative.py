@@ -127,6 +127,8 @@ def test_the_draft_parameter_names_a_variant_beside_the_served_folder(tmp_path, 
     root = model_dir.parent.parent
     on = SpeculationSettings.from_parameters({"speculative_draft": "fast", "speculative_tokens": "6"})
     assert on.draft_dir(fp32, ModelSettings.load(fp32), root) == fast
+    (tmp_path / "serve").symlink_to(fp32)  # docker/compose.yaml serves a link to the variant's folder
+    assert on.draft_dir(tmp_path / "serve", ModelSettings.load(fp32), root) == fast
     assert on.draft_dir(fast, ModelSettings.load(fast), root) is None
     assert "the served folder is the draft model itself" in capsys.readouterr().err
     assert on.draft_dir(model_dir, ModelSettings.load(model_dir), root) is None  # build/model-fast beside it, but

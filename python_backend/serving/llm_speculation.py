@@ -48,13 +48,14 @@ class SpeculationSettings:
                 print(f"[llm] speculative decoding off: speculative_draft {self.draft!r} names no draft for "
                       f"{settings.quantization}", file=sys.stderr, flush=True)
             return None
+        model_dir = model_dir.resolve()  # a link to the served folder (docker/compose.yaml's /models/serve) names it
         if "/" in draft:
             folder = Path(draft) if Path(draft).is_absolute() else project_root / draft
         else:
             suffix = f"-{settings.quantization}"
             base = model_dir.name[:-len(suffix)] if model_dir.name.endswith(suffix) else model_dir.name
             folder = model_dir.with_name(f"{base}-{draft}")
-        reason = self._unusable(folder.resolve(), model_dir.resolve(), draft)
+        reason = self._unusable(folder.resolve(), model_dir, draft)
         if reason:
             print(f"[llm] speculative decoding off: {reason}", file=sys.stderr, flush=True)
             return None
