@@ -1,6 +1,6 @@
 import pytest
 
-from python_backend.serving.frontend import CancellationWatch, StopStrings, text_deltas
+from python_backend.serving.frontend import CancellationWatch, LlmChunk, StopStrings, text_deltas
 
 ANSWER = "The capital of France is Paris."
 
@@ -68,8 +68,10 @@ def test_the_earliest_of_several_stop_strings_ends_the_answer_across_chunks(toke
     ids = tokenizer.encode_plain(ANSWER)
     chunks = [(ids[:3], False), (ids[3:5], False), (ids[5:], True)]
     deltas, unary = stream_and_unary(chunks, tokenizer.decode, ["Paris", "ital of Fr", ""])
-    assert unary.text == "The cap" and unary.token_count == 5
-    assert [d.text for d in deltas] == ["The cap", ""] and [d.token_count for d in deltas] == [3, 2]
+    # read token by token (the chunks hold several, as speculative decoding's do): the answer's tokens end at
+    # " France", which completed the match, not with its chunk's " is"
+    assert unary.text == "The cap" and unary.token_count == 4
+    assert [d.text for d in deltas] == ["The", " cap", ""] and [d.token_count for d in deltas] == [1, 1, 2]
     [whole] = text_deltas([(ids, True)], tokenizer.decode, False, stop=["Paris", "of"])
     assert whole.text == "The capital "
 
@@ -86,6 +88,14 @@ def test_a_stop_string_cancels_the_llm_once_and_its_stream_is_drained():
     deltas = list(text_deltas(chunks(), decode, True, lambda: state["gone"], lambda: cancels.append(1), stop=["bc"]))
     assert [(d.text, d.token_count, d.finished) for d in deltas] == [("a", 1, False), ("", 2, True)]
     assert cancels == [1] and consumed == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_chunk_of_several_tokens_ends_at_the_token_that_completed_the_stop_string():
+    cancels = []
+    chunk = LlmChunk([0, 1, 2, 3], False, None, [-0.5, -1.0, -1.5, -2.0], [[-0.5]] * 4, [[0], [1], [2], [3]])
+    [answer] = text_deltas([chunk, ([4], True)], decode, False, cancel=lambda: cancels.append(1), stop=["bc"])
+    assert answer.text == "a" and answer.ids == [0, 1, 2] and answer.logprobs == [-0.5, -1.0, -1.5]
+    assert answer.top_ids == [[0], [1], [2]] and cancels == [1]  # the llm had not finished: it is cancelled
 
 
 def test_a_stop_string_in_the_last_chunk_needs_no_cancel():

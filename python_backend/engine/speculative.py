@@ -57,7 +57,7 @@ class Drafter:
     def propose(self, key: str, tokens: list[int], count: int) -> list[int]:
         """The draft's ``count`` greedy tokens after ``tokens`` (all of a sequence's tokens so far), fed from where its
         cache stops holding this sequence's tokens: the whole sequence for a new owner."""
-        if key != self._owner:
+        if key != self._owner or len(tokens) <= self._valid:  # (a key used again by another request: start anew)
             self._reset(key)
         if len(tokens) + count > self.max_len:
             raise ValueError(f"{len(tokens)} tokens and {count} drafts exceed the draft cache ({self.max_len})")

@@ -110,16 +110,20 @@ def text_deltas(
     pieces: list[str] = []  # text not yet yielded
     pending = Delta("", False)  # the tokens behind it
     answering = True  # false once the answer is complete or its client went away: the rest is only drained
-    for chunk in chunks:
-        chunk = LlmChunk(*chunk)
+    for whole in chunks:
+        whole = LlmChunk(*whole)
         if answering and is_cancelled():
             cancel()
             answering = False
-        if answering:
+        # With stop strings, a chunk of several tokens (speculative decoding's) is read token by token, so that the
+        # answer ends at the token that completed the match, with the count and log-probabilities of those tokens.
+        for chunk in (_token_by_token(whole) if stops.stop and len(whole.ids) > 1 else (whole,)):
+            if not answering:
+                break
             pending.add(chunk)
             text, stopped = _sendable_text(detokenizer, stops, chunk.ids, chunk.finished)
             pieces.append(text)
-            if stopped and not chunk.finished:
+            if stopped and not whole.finished:
                 cancel()
             if stopped or chunk.finished:
                 pending.text, pending.finished = "".join(pieces), True
@@ -130,8 +134,21 @@ def text_deltas(
                 pending.text = "".join(pieces)
                 yield pending
                 pieces, pending = [], Delta("", False)
-        if chunk.finished:
+        if whole.finished:
             return
+
+
+def _token_by_token(chunk: LlmChunk) -> Iterator[LlmChunk]:
+    """The chunk as one chunk per token, the last one finishing it; the prompt's scores come with the first."""
+    last = len(chunk.ids) - 1
+
+    def row(values, i):
+        return None if values is None else values[i:i + 1]
+
+    for i, token in enumerate(chunk.ids):
+        yield LlmChunk([token], chunk.finished and i == last, chunk.finish_reason if i == last else None,
+                       row(chunk.logprobs, i), row(chunk.top_logprobs, i), row(chunk.top_ids, i),
+                       chunk.prompt_scores if i == 0 else None)
 
 
 def response_outputs(delta: Delta, request: PreparedRequest, first: bool) -> dict[str, np.ndarray]:
