@@ -90,6 +90,7 @@ class ServerPool:
         self._tmp_path_factory = tmp_path_factory
         self._running: list = []  # the running_server context managers, to leave at the end
         self._servers: dict[tuple, object] = {}
+        self._logs: dict[object, Path] = {}  # Ports -> server.log
 
     def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None):
         """The Ports of the server with this configuration, started on first use."""
@@ -101,8 +102,22 @@ class ServerPool:
             running = running_server(model_repository, log_path=log, explicit_models=all_models(model_repository),
                                      env=env)
             self._servers[key] = running.__enter__()
+            self._logs[self._servers[key]] = log
             self._running.append(running)
         return self._servers[key]
+
+    def check_alive(self) -> None:
+        """Fails the asking test at once when a Python stub of a shared server died (a crash leaves it a zombie that
+        the server never reaps): Triton keeps the dead model READY and never answers the requests sent to it, so the
+        test would wait out its clients' timeouts. The server's log has the stub's last Python stacks
+        (faulthandler)."""
+        for (_, env), ports in self._servers.items():
+            server_pid = _process_with_argument(f"--http-port={ports.http}")
+            dead = _zombie_children(server_pid) if server_pid else []
+            if dead:
+                pytest.fail(f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died (pids {dead}; "
+                            f"Triton would never answer its requests): see its log, {self._logs[ports]}",
+                            pytrace=False)
 
     def close(self) -> None:
         """Stops every server at once: each takes seconds to shut its models down."""
@@ -115,6 +130,34 @@ def servers(tmp_path_factory):
     pool = ServerPool(tmp_path_factory)
     yield pool
     pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _shared_servers_alive(request):
+    if "servers" in request.fixturenames:
+        request.getfixturevalue("servers").check_alive()
+
+
+def _process_with_argument(argument: str) -> int | None:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if argument.encode() in cmdline.read_bytes().split(b"\0"):
+                return int(cmdline.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+def _zombie_children(pid: int) -> list[int]:
+    zombies = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if parent == str(pid) and state == "Z":
+            zombies.append(int(stat.parent.name))
+    return zombies
 
 
 @pytest.fixture(scope="session")

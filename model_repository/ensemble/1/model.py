@@ -8,6 +8,7 @@ tells a model nothing about a closed HTTP connection before its first response):
 into composed models by itself. When the llm model's process dies, the watchdog fails every
 request in flight at once (python_backend/serving/front_requests.py)."""
 
+import faulthandler
 import secrets
 import threading
 
@@ -30,6 +31,7 @@ PROMPT_SCORES = ("prompt_log_probs", "prompt_top_log_probs", "prompt_top_log_pro
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable(all_threads=True)  # a crashing stub leaves its threads' Python stacks in the server's log
         params = parameters(args)
         self.tokenizer = PromptTokenizer(resolve_model_dir(params["model_dir"], args["model_repository"]))
         self.preprocessor = Preprocessor(

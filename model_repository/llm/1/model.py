@@ -5,6 +5,8 @@ Decoupled: each request gets one response per step with its new token ids, the l
 with ``cancel: true`` and a ``request_key`` cancels the running request with that key (the front model sends one
 when its client goes away: Triton does not pass cancellation into composed models)."""
 
+import faulthandler
+import gc
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +37,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable(all_threads=True)  # a crashing stub leaves its threads' Python stacks in the server's log
         params = parameters(args)
         model_dir = resolve_model_dir(params["model_dir"], args["model_repository"])
         self.settings = ModelSettings.load(model_dir)
@@ -87,10 +90,12 @@ class TritonPythonModel:
             print(f"[llm] enable_kv_cache_reuse: no prefix caching on {model_dir}, the export's graph (its KV cache "
                   "is a padded batch); every QUANT variant's folder (the fused graph) has it", file=sys.stderr,
                   flush=True)
-        observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
-                                                    "variant": self.settings.quantization})
-        observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
-        self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]), drafter=drafter)
+        self.observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
+                                                         "variant": self.settings.quantization})
+        self.observer.set_limits(config.max_queue_size,
+                                 config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
+        self.engine = Engine(decoder, config, self.observer, outbox_capacity=int(params["outbox_capacity"]),
+                             drafter=drafter)
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
         self.heartbeat.start()
@@ -135,6 +140,8 @@ class TritonPythonModel:
         self.guides.close()
         self.heartbeat.stop()
         self.engine.stop()
+        self.observer.release()
+        gc.collect()  # the metric objects go now, while the stub can still tell the server (release's docstring)
 
 
 def _guided_submitter(seq, engine):
