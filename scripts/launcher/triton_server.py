@@ -61,6 +61,9 @@ def server_environment() -> dict[str, str]:
         str(_pytriton_dir().parent.parent / "nvidia_pytriton.libs"),
     ]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    # glibc writes its fatal messages (heap corruption, then abort) to the terminal, of which a server has none:
+    # to stderr instead, so that they reach the server's log beside faulthandler's Python stacks.
+    env.setdefault("LIBC_FATAL_STDERR_", "1")
     return env
 
 
