@@ -67,17 +67,6 @@ class TritonMetricsObserver(EngineObserver):
                               "The most bytes llm_kv_cache_bytes may reach (the KV budget, padding included)",
                               family.GAUGE)
 
-    def release(self) -> None:
-        """Drops every Triton metric object now, while the stub still runs (the engine stopped: nothing reports any
-        more). Left to the interpreter's exit, a MetricFamily is destroyed after the stub's shared memory and the
-        process segfaults on its way out (python_backend#429, fixed after Triton 2.51): a crash at each stop or
-        reload of the llm model."""
-        for name in [name for name, value in vars(self).items() if type(value).__name__ == "Metric"]:
-            setattr(self, name, None)
-        self._adapter_metrics.clear()
-        self._adapter_families = ()
-        self._families.clear()
-
     def set_limits(self, max_queue_size: int, kv_budget_bytes: int) -> None:
         self.max_queue.set(max_queue_size)
         self.kv_budget.set(kv_budget_bytes)

@@ -6,7 +6,6 @@ with ``cancel: true`` and a ``request_key`` cancels the running request with tha
 when its client goes away: Triton does not pass cancellation into composed models)."""
 
 import faulthandler
-import gc
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -90,12 +89,10 @@ class TritonPythonModel:
             print(f"[llm] enable_kv_cache_reuse: no prefix caching on {model_dir}, the export's graph (its KV cache "
                   "is a padded batch); every QUANT variant's folder (the fused graph) has it", file=sys.stderr,
                   flush=True)
-        self.observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
-                                                         "variant": self.settings.quantization})
-        self.observer.set_limits(config.max_queue_size,
-                                 config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
-        self.engine = Engine(decoder, config, self.observer, outbox_capacity=int(params["outbox_capacity"]),
-                             drafter=drafter)
+        observer = TritonMetricsObserver(pb_utils, {"model": args["model_name"], "strategy": config.strategy,
+                                                    "variant": self.settings.quantization})
+        observer.set_limits(config.max_queue_size, config.kv_budget_tokens * decoder.cache_shape.bytes_per_token())
+        self.engine = Engine(decoder, config, observer, outbox_capacity=int(params["outbox_capacity"]), drafter=drafter)
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
         self.heartbeat.start()
@@ -140,8 +137,10 @@ class TritonPythonModel:
         self.guides.close()
         self.heartbeat.stop()
         self.engine.stop()
-        self.observer.release()
-        gc.collect()  # the metric objects go now, while the stub can still tell the server (release's docstring)
+        # The stub then segfaults on its way out, in the metric families' destructor (python_backend#429, fixed after
+        # Triton 2.51): harmless once the model is unloaded. Destroying them here instead, while the stub runs, is
+        # worse: on a reload, the new instance's families of the same names go with them and the server's heap is
+        # corrupted (malloc() aborts in tritonserver, seen in make test).
 
 
 def _guided_submitter(seq, engine):
