@@ -13,7 +13,7 @@ from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-from tests.helpers import KV_TEST_PROMPTS, variant_folder
+from tests.helpers import KV_TEST_PROMPTS, process_with_argument, variant_folder, zombie_children
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -112,10 +112,10 @@ class ServerPool:
         test would wait out its clients' timeouts. The server's log has the stub's last Python stacks
         (faulthandler)."""
         for (_, env), ports in self._servers.items():
-            server_pid = _process_with_argument(f"--http-port={ports.http}")
-            dead = _zombie_children(server_pid) if server_pid else []
+            server_pid = process_with_argument(f"--http-port={ports.http}")
+            dead = zombie_children(server_pid) if server_pid else {}
             if dead:
-                pytest.fail(f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died (pids {dead}; "
+                pytest.fail(f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died ({dead}; "
                             f"Triton would never answer its requests): see its log, {self._logs[ports]}",
                             pytrace=False)
 
@@ -136,28 +136,6 @@ def servers(tmp_path_factory):
 def _shared_servers_alive(request):
     if "servers" in request.fixturenames:
         request.getfixturevalue("servers").check_alive()
-
-
-def _process_with_argument(argument: str) -> int | None:
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if argument.encode() in cmdline.read_bytes().split(b"\0"):
-                return int(cmdline.parent.name)
-        except OSError:
-            continue
-    return None
-
-
-def _zombie_children(pid: int) -> list[int]:
-    zombies = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if parent == str(pid) and state == "Z":
-            zombies.append(int(stat.parent.name))
-    return zombies
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,10 @@
 """Stopping a server removes the Python stubs that name it and their shared memory, also once the server itself is
-gone (a stub whose own thread is stuck outlives it); plain processes stand in for tritonserver and its stubs."""
+gone (a stub whose own thread is stuck outlives it); plain processes stand in for tritonserver and its stubs. The
+test suite's look for a shared server's dead stub (tests/conftest.py) finds unreaped children and says how they
+ended."""
 
+import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.launcher.processes import stop, stub_processes
-from tests.helpers import wait_for
+from tests.helpers import process_with_argument, wait_for, zombie_children
 
 
 @pytest.fixture
@@ -56,3 +60,24 @@ def test_stopping_a_running_server_removes_its_stubs_and_leaves_another_servers(
     assert other.poll() is None, "a stub of another server is left alone"
     other.kill()
     other.wait()
+
+
+def test_children_that_died_unreaped_are_found_with_how_they_ended():
+    marker = f"--marker={uuid.uuid4().hex}"
+    crashed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    running = subprocess.Popen(["sleep", "600"])
+    try:
+        assert process_with_argument(marker) == crashed.pid
+        os.kill(crashed.pid, signal.SIGABRT)
+        wait_for(lambda: {crashed.pid, exited.pid} <= set(zombie_children(os.getpid())), 60,
+                 message="the two children never showed up as zombies")
+        dead = zombie_children(os.getpid())
+        assert dead[crashed.pid] == "killed by signal 6" and dead[exited.pid] == "exited with code 3"
+        assert running.pid not in dead
+        crashed.wait(), exited.wait()  # reaped: no longer zombies
+        assert not {crashed.pid, exited.pid} & set(zombie_children(os.getpid()))
+    finally:
+        for process in (crashed, exited, running):
+            process.kill()
+            process.wait()
