@@ -21,8 +21,8 @@ from python_backend.guided.compiler import GuideCompiler
 from python_backend.model_files import ModelSettings, resolve_model_dir
 from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.factory import RuntimeSettings, open_decoder, open_draft_decoder
-from python_backend.runtime.onnx_decoder import share_thread_pool
 from python_backend.runtime.fault_injection import maybe_faulty
+from python_backend.runtime.onnx_decoder import share_thread_pool
 from python_backend.serving.heartbeat import Heartbeat
 from python_backend.serving.llm_adapters import LoraSettings, adapter_for, adapter_request, apply_control, open_store
 from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, prompt_score_arrays, sequence_from_inputs
