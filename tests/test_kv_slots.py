@@ -143,6 +143,36 @@ def test_the_cache_holds_each_rows_tokens_and_static_rows_stop_at_their_reservat
     assert max(seen) == len(seqs)
 
 
+@pytest.mark.parametrize("all_positions", [False, True])
+def test_rows_after_their_own_pasts_in_one_call_are_each_the_bits_of_a_call_of_its_own(decoder, kv_prompts,
+                                                                                       all_positions):
+    """The prefix cache's rests: rows after cached prefixes of different lengths (one after none: a first prompt),
+    with rests of different lengths right-padded in one call (query_seqlens), give each row the logits and the keys
+    and values that the row gets in a call of its own, to the bit."""
+    prompts = kv_prompts[:4]
+    cached = [7, 0, 13, len(prompts[3]) - 2]
+    source = SlotKVCache(decoder, len(prompts), 256)  # each prompt's keys and values, computed whole
+    source.prefill(prompts, [256] * len(prompts))
+
+    def fill(row: int):
+        def write(target):
+            for written, held in zip(target, source.row(row)):
+                written[:, :, :cached[row]] = held[:, :, :cached[row]]
+        return write
+
+    together = SlotKVCache(decoder, len(prompts), 256)
+    logits, computed, padding = together.prefill(prompts, [256] * len(prompts), all_positions, cached=cached,
+                                                 fills=[fill(r) for r in range(len(prompts))])
+    rests = [len(p) - c for p, c in zip(prompts, cached)]
+    assert (computed, padding) == (len(prompts) * max(rests), len(prompts) * max(rests) - sum(rests))
+    apart = SlotKVCache(decoder, len(prompts), 256)
+    for r, prompt in enumerate(prompts):
+        alone, _, _ = apart.prefill([prompt], [256], all_positions, cached=cached[r:r + 1], fills=[fill(r)])
+        assert np.array_equal(logits[r], alone[0]), f"row {r}: {cached[r]} cached, {rests[r]} computed"
+        for mine, its in zip(together.row(r), apart.row(r)):
+            assert np.array_equal(mine[:, :, :len(prompt)], its[:, :, :len(prompt)])
+
+
 def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(decoder, kv_prompts):
     seqs = sequences(kv_prompts[:2])
     budget = seqs[0].reserved_tokens() + seqs[1].reserved_tokens() - 1

@@ -96,11 +96,24 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
         assert run(core, sequences([short])) == [expected], cut
 
 
-def test_prompts_behind_a_cached_prefix_are_prefilled_in_one_step_to_the_same_tokens(decoder, prompts, without_reuse):
+class GraphBeforeQueryLengths(CountingDecoder):
+    """A fused graph built before query_seqlens (format 8): it takes several new tokens after a past for one row."""
+    batches_rests = False
+
+    def forward_in_place(self, input_ids, attention_mask, cache, **options):
+        if input_ids.shape[0] > 1 and 1 < input_ids.shape[1] < attention_mask.shape[1]:
+            raise RuntimeError("batch_size must be 1 when sequence_length > 1 and past context is given")
+        return super().forward_in_place(input_ids, attention_mask, cache, **options)
+
+
+@pytest.mark.parametrize("graph", [CountingDecoder, GraphBeforeQueryLengths])
+def test_prompts_behind_a_cached_prefix_are_prefilled_in_one_step_to_the_same_tokens(decoder, prompts, without_reuse,
+                                                                                       graph):
     """Five prompts behind the cached system prompt: the step's prefill budget, short of two whole prompts, counts
-    only the tokens to compute, so all five rests are prefilled in the same step, before any decode step (each rest
-    in its own call: onnxruntime's CPU kernel), and each answer is the one computed without reuse."""
-    counting = CountingDecoder(decoder)
+    only the tokens to compute, so all five rests are prefilled in the same step, before any decode step, in one
+    call (right-padded, each after its own cached prefix: query_seqlens; a graph without it: one call each), and
+    each answer is the one computed without reuse."""
+    counting = graph(decoder)
     core = reuse(counting, max_prefill_tokens=2 * max(len(p) for p in prompts) - 1)
     run(core, sequences(prompts[:1]))
     counting.calls.clear()
@@ -109,9 +122,10 @@ def test_prompts_behind_a_cached_prefix_are_prefilled_in_one_step_to_the_same_to
     assert (core.prefix.queried_tokens, core.prefix.hit_tokens) == counts and min(found) > 0
     assert core.prefix.found_tokens(prompts[1], scores_top=1) == 0  # a prompt to score needs blocks with scores
     assert run(core, sequences(prompts[1:])) == without_reuse[1:]
-    rests = sorted((1, len(p) - f) for p, f in zip(prompts[1:], found))
-    assert sorted(counting.calls[:len(rests)]) == rests  # the five rests first, before the first decode step
-    assert all(shape[1] == 1 for shape in counting.calls[len(rests):])
+    rests = [len(p) - f for p, f in zip(prompts[1:], found)]
+    calls = [(len(rests), max(rests))] if graph is CountingDecoder else [(1, rest) for rest in rests]
+    assert sorted(counting.calls[:len(calls)]) == sorted(calls) and min(rests) < max(rests)  # before any decode
+    assert all(shape[1] == 1 for shape in counting.calls[len(calls):])
     assert core.prefix.hit_tokens - counts[1] == sum(found)  # found as the look said
 
 
@@ -146,10 +160,10 @@ class FailingRest(CountingDecoder):
         super().__init__(inner)
         self.token = token
 
-    def forward_in_place(self, input_ids, attention_mask, cache):
+    def forward_in_place(self, input_ids, attention_mask, cache, **options):
         if 1 < input_ids.shape[1] < attention_mask.shape[1] and self.token in input_ids:
             raise RuntimeError("injected: this rest fails")
-        return super().forward_in_place(input_ids, attention_mask, cache)
+        return super().forward_in_place(input_ids, attention_mask, cache, **options)
 
 
 

@@ -256,38 +256,32 @@ class EngineCore:
         unique, forks = self._unique(sequences)
         hits = {id(s): self.prefix.match(s.prompt_ids, s.prefix_salt, _scores_top(s)) for s in unique} \
             if self.prefix else {}
-        fresh = [s for s in unique if not hits.get(id(s))]
         first_row = len(self.running)
         parts, computed, padding, errors = [], 0, 0, {}
-        for scoring in (False, True):  # a prompt scored needs every position's logits: its own forward
-            group = [s for s in fresh if s.params.prompt_logprobs == scoring]
-            if not group:
-                continue
-            adapters = {"adapters": [s.adapter for s in group]} if any(s.adapter for s in group) else {}
-            logits, group_computed, group_padding = self.cache.prefill(
-                [s.prompt_ids for s in group], [s.reserved_tokens() for s in group], all_positions=scoring,
-                **adapters)
-            if scoring:
-                for seq, positions in zip(group, logits):
-                    seq.prompt_logprobs = [None] + _scores(seq, positions[:-1], 1)
-                logits = np.stack([positions[-1] for positions in logits])
-            self.running += group  # the cache's new rows, in order
-            parts.append(logits)
-            computed, padding = computed + group_computed, padding + group_padding
-        for seq in unique:
+        for scoring in (False, True):  # a prompt scored needs every position's logits: its own call
+            group = [s for s in unique if s.params.prompt_logprobs == scoring
+                     and not (hits.get(id(s)) and hits[id(s)].whole is not None)]
+            for rows, (logits, rows_computed, rows_padding) in self._compute(group, hits, scoring, errors):
+                self.running += rows  # the cache's new rows, in order
+                parts.append(logits)
+                computed, padding = computed + rows_computed, padding + rows_padding
+        for seq in unique:  # prompts held whole: copied in, nothing computed
             hit = hits.get(id(seq))
-            if not hit:
+            if not hit or hit.whole is None:
                 continue
-            fill = partial(self.prefix.load, hit)
             try:
-                logits, rest = self._prefill_after_hit(seq, hit, fill)
-            except Exception as error:  # noqa: BLE001 - this sequence's own prefill: it fails alone
+                self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), partial(self.prefix.load, hit),
+                                 seq.adapter)
+            except Exception as error:  # noqa: BLE001 - this sequence's own copy: it fails alone
                 errors[id(seq)] = error
-                yield from self._fail(seq, error)
                 continue
+            if seq.params.prompt_logprobs:
+                seq.prompt_logprobs = hit.scores()
             self.running.append(seq)
-            parts.append(logits)
-            computed += rest
+            parts.append(hit.whole.logits[None])
+        for seq in unique:
+            if id(seq) in errors:
+                yield from self._fail(seq, errors[id(seq)])
         logits = np.concatenate(parts) if parts else None  # row i: running[first_row + i]'s last prompt position
         computed_rows = {id(seq): i for i, seq in enumerate(self.running[first_row:])}
         copied = []  # the computed row each fork copies
@@ -317,32 +311,45 @@ class EngineCore:
         for seq in joined:
             yield from self._emit(seq)
 
+    def _compute(self, rows: list[Sequence], hits: dict, scoring: bool, errors: dict) -> list[tuple[list, tuple]]:
+        """The calls that prefilled these rows, with what each returned: one call, or when it fails each row alone,
+        so that only the culprit fails (its error in errors). (A graph built before query_seqlens refuses several
+        rows after their pasts: they are then computed one at a time.)"""
+        if not rows:
+            return []
+        try:
+            return [(rows, self._prefill_rows(rows, hits, scoring))]
+        except Exception as error:  # noqa: BLE001 - a bad prompt must not fail its neighbours
+            if len(rows) == 1:
+                errors[id(rows[0])] = error
+                return []
+            return [done for seq in rows for done in self._compute([seq], hits, scoring, errors)]
+
+    def _prefill_rows(self, rows: list[Sequence], hits: dict, scoring: bool) -> tuple[np.ndarray, int, int]:
+        """One model call that writes these prompts into the next free slots, each after what the prefix cache
+        holds of it: their last logits [rows, vocab], the positions computed and the padding among them. A prompt
+        scored recomputes its last cached position too: its logits score the first token not cached (the cache
+        keeps scores, not logits)."""
+        cached = [hits[id(s)].tokens(self.prefix.block_tokens) - scoring if hits.get(id(s)) else 0 for s in rows]
+        fills = [partial(self.prefix.load, hits[id(s)]) if hits.get(id(s)) else None for s in rows]
+        options = {"adapters": [s.adapter for s in rows]} if any(s.adapter for s in rows) else {}
+        if any(cached):  # (the slot cache's; the padded cache has no prefix caching)
+            options.update(cached=cached, fills=fills)
+        prompts, reserved = [s.prompt_ids for s in rows], [s.reserved_tokens() for s in rows]
+        logits, computed, padding = self.cache.prefill(prompts, reserved, all_positions=scoring, **options)
+        if not scoring:
+            return logits, computed, padding
+        for seq, positions, skip in zip(rows, logits, cached):
+            before = hits[id(seq)].scores() if skip else [None]  # a first token has no score
+            seq.prompt_logprobs = before + _scores(seq, positions[:-1], skip + 1)
+        return np.stack([positions[-1] for positions in logits]), computed, padding
+
     def _prompt_cost(self, seq: Sequence) -> int:
         """The prompt tokens a prefill of seq computes: those the prefix cache does not hold (the scheduler's
         prefill budget counts these)."""
         if self.prefix is None:
             return len(seq.prompt_ids)
         return len(seq.prompt_ids) - self.prefix.found_tokens(seq.prompt_ids, seq.prefix_salt, _scores_top(seq))
-
-    def _prefill_after_hit(self, seq: Sequence, hit, fill) -> tuple[np.ndarray, int]:
-        """A prompt found in the prefix cache into the next free slot: its last logits [1, vocab] and the positions
-        computed. A prompt scored recomputes the last cached position too: its logits score the first token not
-        cached (the cache keeps scores, not logits)."""
-        scoring = seq.params.prompt_logprobs
-        if hit.whole is not None:  # the whole prompt is cached, its last logits too (and scores): nothing to compute
-            self.cache.adopt(len(seq.prompt_ids), seq.reserved_tokens(), fill, seq.adapter)
-            if scoring:
-                seq.prompt_logprobs = hit.scores()
-            return hit.whole.logits[None], 0
-        cached = hit.tokens(self.prefix.block_tokens)
-        if not scoring:  # after a cached prefix, the rest of the prompt alone (onnxruntime's CPU kernel)
-            logits, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached, fill,
-                                                      adapter=seq.adapter)
-            return logits, rest
-        positions, rest, _ = self.cache.prefill_after(seq.prompt_ids, seq.reserved_tokens(), cached - 1, fill,
-                                                      all_positions=True, adapter=seq.adapter)
-        seq.prompt_logprobs = hit.scores() + _scores(seq, positions[:-1], cached)
-        return positions[-1:], rest
 
     @staticmethod
     def _choose_first(joined: list[Sequence], logits: np.ndarray):

@@ -63,6 +63,8 @@ class SlotKVCache:
         targets = getattr(decoder, "lora_targets", None)
         self.lora = AdapterInputs(targets) if targets else None
         self.adapters: list = []
+        # Several rows after their pasts in one call (query_seqlens); a graph built before it: one such row a call.
+        self.batches_rests = getattr(decoder, "batches_rests", False)
 
     @property
     def size(self) -> int:
@@ -91,25 +93,39 @@ class SlotKVCache:
         return {"extra": self.lora.for_rows(adapters)}
 
     def prefill(self, prompts: list[list[int]], reserved: list[int], all_positions: bool = False,
-                adapters: list | None = None) -> tuple[np.ndarray | list[np.ndarray], int, int]:
-        """Writes the prompts into the next free slots as one right-padded batch (each with its LoRA adapter, or
-        None). Returns each prompt's last-position logits [rows, vocab] (with all_positions, per row the logits of
-        each of its positions [its length, vocab]), the positions computed and the padding among them."""
+                adapters: list | None = None, cached: list[int] | None = None,
+                fills: list | None = None) -> tuple[np.ndarray | list[np.ndarray], int, int]:
+        """Writes the prompts into the next free slots in one call (each with its LoRA adapter, or None). Row i's
+        first ``cached[i]`` tokens (default none) are written by ``fills[i](row)`` (a prefix cache's blocks: it may
+        write more, which the prefill overwrites) and the rest is computed: the rows' rests right-padded to the
+        longest, each after its own past. Returns each prompt's last-position logits [rows, vocab] (with
+        all_positions, per row the logits of each position computed [its rest's length, vocab]), the positions
+        computed and the padding among them."""
         start, rows = self.size, len(prompts)
         adapters = adapters or [None] * rows
+        cached = list(cached or [0] * rows)
         if start + rows > self.slots:
             raise ValueError(f"{start + rows} rows do not fit {self.slots} KV-cache slots")
         lengths = np.array([len(p) for p in prompts], np.int64)
-        if lengths.min() < 1 or max(reserved) > self.max_len:
-            raise ValueError(f"a prompt must hold 1 to {self.max_len} tokens with its max_tokens")
-        longest = int(lengths.max())
+        rests = lengths - np.array(cached, np.int64)
+        if rests.min() < 1 or min(cached) < 0 or max(reserved) > self.max_len:
+            raise ValueError(f"a prompt must hold 1 to {self.max_len} tokens with its max_tokens, one at least "
+                             "not cached")
+        if rows > 1 and any(cached) and not self.batches_rests:
+            raise ValueError("this graph takes rows after a past one at a time: build the variant again (make model)")
+        longest = int(rests.max())
         input_ids = np.zeros((rows, longest), np.int64)
-        mask = (np.arange(longest)[None, :] < lengths[:, None]).astype(np.int64)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, : len(prompt)] = prompt
+        for row, (prompt, skip) in enumerate(zip(prompts, cached)):
+            input_ids[row, : len(prompt) - skip] = prompt[skip:]
+        mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)
+        cache = self._rows(start, start + rows)
         try:
-            logits = self.decoder.forward_in_place(input_ids, mask, self._rows(start, start + rows),
+            for row, fill in enumerate(fills or []):
+                if fill is not None:
+                    fill(self._rows(start + row, start + row + 1))
+            logits = self.decoder.forward_in_place(input_ids, mask, cache,
                                                    **({"all_positions": True} if all_positions else {}),
+                                                   **({"new_counts": rests} if any(cached) else {}),
                                                    **self._adapter_inputs(adapters))
         except Exception:
             self.release(range(start, start + rows))
@@ -117,36 +133,11 @@ class SlotKVCache:
         self.adapters += adapters
         self.lengths = np.concatenate([self.lengths, lengths])
         self.reserved = np.concatenate([self.reserved, np.asarray(reserved, np.int64)])
-        computed = (rows * longest, rows * longest - int(lengths.sum()))
+        computed = (rows * longest, rows * longest - int(rests.sum()))
         if all_positions:
-            return [logits[row, :length] for row, length in enumerate(lengths)], *computed
+            return [logits[row, :rest] for row, rest in enumerate(rests)], *computed
         # The project's fused graphs compute the head at each row's last position only (fused_graph.py).
-        last = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), lengths - 1]
-        return last, *computed
-
-    def prefill_after(self, prompt: list[int], reserved: int, cached: int, fill, all_positions: bool = False,
-                      adapter=None) -> tuple[np.ndarray, int, int]:
-        """One prompt into the next free slot, whose first ``cached`` tokens ``fill(row)`` writes (a prefix cache's
-        blocks: it may write more, which the rest's prefill overwrites); the rest is prefilled in that slot alone.
-        Returns the prompt's last-position logits [1, vocab] (with all_positions those of the rest's positions,
-        [len(prompt) - cached, vocab]), the positions computed and the padding among them (none)."""
-        start = self.size
-        if start >= self.slots or reserved > self.max_len or not 0 < cached < len(prompt):
-            raise ValueError(f"cannot prefill {len(prompt)} tokens after {cached} cached in slot {start}")
-        row = self._rows(start, start + 1)
-        try:
-            fill(row)
-            logits = self.decoder.forward_in_place(np.array([prompt[cached:]], np.int64),
-                                                   np.ones((1, len(prompt)), np.int64), row,
-                                                   **({"all_positions": True} if all_positions else {}),
-                                                   **self._adapter_inputs([adapter]))
-        except Exception:
-            self.release([start])
-            raise
-        self.adapters.append(adapter)
-        self.lengths = np.append(self.lengths, len(prompt))
-        self.reserved = np.append(self.reserved, reserved)
-        return (logits[0] if all_positions else logits[:, -1]), len(prompt) - cached, 0
+        return (logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(rows), rests - 1]), *computed
 
     def adopt(self, length: int, reserved: int, fill, adapter=None) -> None:
         """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix

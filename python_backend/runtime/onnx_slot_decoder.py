@@ -5,15 +5,16 @@ rotary embedding inside, fused norms, one packed QKV MatMul. Its interface: inpu
 ``attention_mask`` [rows, total] (int64), ``past_key_values.{i}.key/.value``; outputs ``logits`` [rows, 1, vocab]
 (each row's last position: the project's build gathers it before the LM head; with its input
 ``logits_all_positions`` set to 1, or from a graph without that gather, [rows, new, vocab]) and
-``present.{i}.key/.value``; no ``position_ids`` (each row's positions come from its mask's sum).
+``present.{i}.key/.value``; ``query_seqlens`` [rows] (int32, graphs built since format 9): how many of each row's
+new tokens are real; no ``position_ids`` (a row's past is its mask's sum minus that count).
 
 Bound to one buffer for both the past and the present, ``GroupQueryAttention`` appends each row's new keys and
 values at that row's own length, where the mask says it ends, instead of copying the cache into a longer present:
 the cache is preallocated, one slot per row, and never copied by a step (python_backend/engine/kv_slots.py owns
-the slots). What onnxruntime's CPU kernel takes (seen with onnxruntime 1.32, docs/architecture.md):
-- a first prompt: any number of rows, right-padded, ``new == total`` (the mask's ones mark each row's tokens);
-- a decode step: one new token per row, any rows, each with its own length;
-- more than one new token after a past (a prompt's rest after a cached prefix): one row at a time.
+the slots). What onnxruntime's CPU kernel takes (onnxruntime 1.32, docs/architecture.md): any rows, each with its
+own past (none for a first prompt) and its own count of new tokens, right-padded to the longest; a decode step is
+one new token per row. A graph built before ``query_seqlens`` takes several new tokens after a past for one row
+only (``batches_rests`` is False: the slot cache then computes such rows one at a time).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from python_backend.runtime.onnx_decoder import cpu_session, graph_cache_shape
 
 FUSED_ATTENTION_OP = "GroupQueryAttention"
 ALL_POSITIONS_INPUT = "logits_all_positions"  # scripts/prepare/fused_graph.py
+QUERY_LENGTHS_INPUT = "query_seqlens"  # scripts/prepare/fused_graph.py
+
+
+def query_lengths(input_ids: np.ndarray, attention_mask: np.ndarray, given: np.ndarray | None) -> np.ndarray:
+    """Each row's count of real new tokens: given, else all of them up to the row's length (a first prompt's
+    right padding ends where its mask does)."""
+    if given is not None:
+        return np.asarray(given, np.int32)
+    return np.minimum(input_ids.shape[1], attention_mask.sum(axis=1)).astype(np.int32)
 
 
 def is_fused_graph(model_path: str | os.PathLike) -> bool:
@@ -44,7 +54,9 @@ class OnnxSlotDecoder:
     """``forward_in_place(input_ids, attention_mask, cache)``: ``cache`` holds one contiguous array per layer key and
     value, [rows, kv_heads, max_len, head_dim] (views of the slots' buffers), bound as past and present at once.
     Returns the logits of each row's last position [rows, 1, vocab], or with ``all_positions`` of every new
-    position [rows, new, vocab] (scoring a prompt)."""
+    position [rows, new, vocab] (scoring a prompt). ``new_counts`` [rows]: how many of each row's new tokens are
+    real (rows right-padded, each after its own past: the prefix cache's rests); default: every new token up to
+    the row's mask."""
 
     kv_layout = "slots"
     tensors = HostTensors()
@@ -58,7 +70,9 @@ class OnnxSlotDecoder:
         self._past_names = self.cache_shape.cache_names()
         self._present_names = self.cache_shape.present_names()
         self._bound = None
-        self.has_position_switch = any(i.name == ALL_POSITIONS_INPUT for i in self.session.get_inputs())
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.has_position_switch = ALL_POSITIONS_INPUT in inputs
+        self.batches_rests = QUERY_LENGTHS_INPUT in inputs
         self.gathers_last = logits.shape[1] == 1 and not self.has_position_switch
         # LoRA: the projections whose adapter inputs the graph has (a variant's adapter graph), else empty
         self.lora_targets = graph_targets((i.name, i.shape) for i in self.session.get_inputs())
@@ -70,12 +84,15 @@ class OnnxSlotDecoder:
 
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                          cache: list[np.ndarray], all_positions: bool = False,
-                         extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
+                         extra: dict[str, np.ndarray] | None = None,
+                         new_counts: np.ndarray | None = None) -> np.ndarray:
         """extra: more of the graph's inputs by name (a LoRA graph's adapter inputs: python_backend/lora.py)."""
         self._check_positions(all_positions)
         binding = self._cache_binding(cache)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        for name, array in self._counts_input(input_ids, attention_mask, new_counts):
+            binding.bind_cpu_input(name, array)
         for name, array in (extra or {}).items():
             if self._bound[3].get(name) is not array:  # adapters' matrices stay the same arrays from step to step
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
@@ -85,6 +102,15 @@ class OnnxSlotDecoder:
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[-1].numpy()
+
+    def _counts_input(self, input_ids, attention_mask, new_counts) -> list[tuple[str, np.ndarray]]:
+        """The graph's query_seqlens input (none for a graph built without it, which takes no padded rest)."""
+        if self.batches_rests:
+            return [(QUERY_LENGTHS_INPUT, query_lengths(input_ids, attention_mask, new_counts))]
+        if new_counts is not None and input_ids.shape[0] > 1 and attention_mask.shape[1] > input_ids.shape[1]:
+            raise ValueError("this fused graph takes no right-padded rows after a past: build the variant again "
+                             "(make model QUANT=...)")
+        return []
 
     def _check_positions(self, all_positions: bool) -> None:
         if all_positions and not self.scores_prompts:
@@ -127,11 +153,13 @@ class OnnxSlotDeviceDecoder(OnnxSlotDecoder):
         return cls(cpu_session(model_path, intra_op_threads), TorchTensors("cpu"))
 
     def forward_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list,
-                         all_positions: bool = False, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
+                         all_positions: bool = False, extra: dict[str, np.ndarray] | None = None,
+                         new_counts: np.ndarray | None = None) -> np.ndarray:
         self._check_positions(all_positions)
         binding = self._cache_binding(cache)
         small = [("input_ids", np.asarray(input_ids, np.int64)),
-                 ("attention_mask", np.asarray(attention_mask, np.int64))]
+                 ("attention_mask", np.asarray(attention_mask, np.int64)),
+                 *self._counts_input(input_ids, attention_mask, new_counts)]
         if self.has_position_switch:
             small.append((ALL_POSITIONS_INPUT, np.array([int(all_positions)], np.int64)))
         small += [(name, np.asarray(array)) for name, array in (extra or {}).items()]

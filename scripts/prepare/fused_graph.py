@@ -36,6 +36,7 @@ def build(hf_dir: Path) -> onnx.ModelProto:
         run_builder(["-i", str(hf_dir), "-o", str(output), "-p", "fp32", "-e", "cpu", "-c", str(cache)], hf_dir)
         model = onnx.load(str(output / "model.onnx"))
     set_head_size(model, head_size(hf_dir))
+    query_lengths_input(model)
     logits_of_last_positions(model)
     return model
 
@@ -140,14 +141,31 @@ def lm_head(model: onnx.ModelProto) -> str:
 
 
 ALL_POSITIONS_INPUT = "logits_all_positions"
+QUERY_LENGTHS_INPUT = "query_seqlens"
+
+
+def query_lengths_input(model: onnx.ModelProto) -> None:
+    """Gives every ``GroupQueryAttention`` the graph input ``query_seqlens`` (int32 [rows]): how many of each row's
+    new tokens are real, the rest of the row being right padding. With it onnxruntime's kernel (1.32) takes several
+    rows that each have a past and several new tokens in one call (the rests of prompts found in part in the prefix
+    cache), which it refuses without it ("batch_size must be 1 when sequence_length > 1 and past context is
+    given"); each row's past is its mask's sum minus its count. Rows without a past (a first prompt) and decode steps
+    are computed as before, to the same bits (seen 2026-12-05, docs/performance.md)."""
+    graph = model.graph
+    graph.input.append(onnx.helper.make_tensor_value_info(QUERY_LENGTHS_INPUT, onnx.TensorProto.INT32, ["batch_size"]))
+    position = 16  # query_seqlens among the operator's inputs (onnxruntime 1.32's contrib schema)
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention":
+            node.input.extend([""] * (position - len(node.input)))
+            node.input.append(QUERY_LENGTHS_INPUT)
 
 
 def logits_of_last_positions(model: onnx.ModelProto) -> None:
     """Makes the graph compute the LM head for each row's last position only: ``logits`` becomes [rows, 1, vocab].
     The engine reads no other position while it generates, so the head (49,152 x 576 for SmolLM2) over every other
     position of a prompt is wasted work; the last positions' logits are the same bits as before.
-    A row's last position among its new tokens: min(its mask's sum, new) - 1 (a right-padded first prompt: its
-    length - 1; a prompt's rest after a past, or a decode step: new - 1).
+    A row's last position among its new tokens: its count in ``query_seqlens`` - 1 (query_lengths_input), so that
+    right-padded rows, with or without a past, each give their own last token's logits.
 
     Scoring a prompt (its tokens' log-probabilities) needs every position: the graph's input
     ``logits_all_positions`` (int64 [1]: 0 for the last positions) set to 1 gives [rows, new, vocab], each row's new
@@ -169,10 +187,11 @@ def logits_of_last_positions(model: onnx.ModelProto) -> None:
     graph.input.append(onnx.helper.make_tensor_value_info(ALL_POSITIONS_INPUT, onnx.TensorProto.INT64, [1]))
     nodes: list[onnx.NodeProto] = []
     every = ALL_POSITIONS_INPUT  # 0 or 1
-    lengths = node("ReduceSum", ["attention_mask", const("axis_1", [1])], "lengths", keepdims=1)  # [rows, 1]
+    counts = node("Cast", [node("Unsqueeze", [QUERY_LENGTHS_INPUT, const("axis_1", [1])], "counts_int32")], "counts",
+                  to=onnx.TensorProto.INT64)  # [rows, 1]
     ids_shape = node("Shape", ["input_ids"], "ids_shape")
     new = node("Slice", [ids_shape, const("one", [1]), const("two", [2])], "new")
-    last = node("Sub", [node("Min", [lengths, new], "ends"), const("one_again", [1])], "last")
+    last = node("Sub", [counts, const("one_again", [1])], "last")
     # Positions gathered: [last] (every = 0) or [0, 1, ..., new - 1] (every = 1): offsets 0..count-1 added to
     # last * (1 - every), where count = 1 + every * (new - 1).
     count = node("Add", [const("one_count", [1]), node("Mul", [every, node("Sub", [new, const("one_less", [1])],

@@ -54,7 +54,7 @@ from scripts.prepare import block_quantization, fused_graph, gguf_grid, lora_gra
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
 from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE, check_variant  # noqa: E402
 
-FORMAT = 8  # bump when a recipe changes, so that `make model QUANT=...` builds the variant again
+FORMAT = 9  # bump when a recipe or the graph changes, so that `make model QUANT=...` builds the variant again (9: query_seqlens)
 MS_DOMAIN = "com.microsoft"
 # What quantize_on_grid made of each matrix (the parity report's "matrices": how -> source types -> matrices):
 FILE_GRID = "4-bit on the GGUF file's own grid"
