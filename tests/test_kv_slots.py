@@ -173,6 +173,13 @@ def test_rows_after_their_own_pasts_in_one_call_are_each_the_bits_of_a_call_of_i
             assert np.array_equal(mine[:, :, :len(prompt)], its[:, :, :len(prompt)])
 
 
+def test_the_rest_benchmark_times_both_ways_on_the_same_bits(decoder):
+    from scripts.bench.rest_prefill import compare
+
+    apart, together, difference = compare(SlotKVCache(decoder, 3, 64), 20, 3, 9, 3, 1, np.random.default_rng(0))
+    assert apart > 0 and together > 0 and difference == 0.0
+
+
 def test_the_budget_counts_each_rows_reservation_and_the_context_bounds_a_row(decoder, kv_prompts):
     seqs = sequences(kv_prompts[:2])
     budget = seqs[0].reserved_tokens() + seqs[1].reserved_tokens() - 1

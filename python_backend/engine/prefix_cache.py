@@ -15,10 +15,10 @@ token not cached; and, for a prompt seen whole, what makes it need no computing 
   disturb one.
 - **Exact.** A cached block holds what a prefill computed for the same tokens at the same positions, and a whole
   prompt's logits are the ones its prefill computed; the rest of a prompt found only in part is prefilled in the
-  new row's slot alone (onnxruntime's CPU kernel takes several new tokens after a past only for one row), the
-  rests of a step's prompts one after another in that step (the scheduler's budget counts only the tokens to
-  compute: ``found_tokens``). At least ``MIN_SUFFIX`` tokens of a prompt found in part are computed: a single new
-  token after a past runs the kernel's decode path, whose rounding differs from a prefill's.
+  new row's slot after the copied blocks, with the other prompts of its chunk in one call (kv_slots.py: the same
+  bits as a call of its own; the scheduler's budget counts only the tokens to compute: ``found_tokens``). At least
+  ``MIN_SUFFIX`` tokens of a prompt found in part are computed: a single new token after a past runs the kernel's
+  decode path, whose rounding differs from a prefill's.
 - **Scores too.** A prompt scored (each token's log-probability: evaluation) leaves its tokens' scores with its
   blocks, so that the shared context of a multiple-choice question is scored once: a scored prompt is matched only
   on blocks that hold scores (with at least its top count), and the rest is computed from the last cached
