@@ -228,12 +228,18 @@ class Generation:
             self._call.cancel()
 
 
+# Triton's words for a model it has not loaded (yet): a server that restarts answers so until its models are in.
+NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready")
+
+
 def model_error(message: str) -> APIError:
     error = error_from_tagged(message)
     if isinstance(error, InvalidRequestError):
         return InvalidRequest(str(error))
     if isinstance(error, UnavailableError):
         return Unavailable(str(error))
+    if any(words in message for words in NOT_LOADED):
+        return Unavailable(f"The model is not loaded (a server starting again?): {message}")
     return APIError(f"The model failed: {message}")
 
 

@@ -472,6 +472,15 @@ def test_triton_unreachable_is_a_503_with_retry_after_and_not_ready(app_client):
     assert app_client.get("/health/live").status_code == 200
 
 
+def test_a_model_triton_has_not_loaded_yet_is_a_503_and_a_failing_one_a_500():
+    from openai_api.triton_backend import model_error
+
+    loading = model_error("Request for unknown model: 'ensemble' has no available versions")  # a restarted server
+    assert loading.status == 503 and loading.headers()["Retry-After"].isdigit()
+    assert model_error("in ensemble 'ensemble', model 'llm' is not ready").status == 503
+    assert model_error("onnxruntime: bad allocation").status == 500
+
+
 def test_the_served_name_defaults_to_the_exported_models_name(model_dir, settings):
     with TestClient(create_app(ServiceConfig(triton_url="127.0.0.1:9", model_dir=model_dir))) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == settings["model_name"]
