@@ -98,7 +98,6 @@ def test_shared_prefixes_of_every_kind_give_the_same_tokens(decoder, prompts, wi
 
 class GraphBeforeQueryLengths(CountingDecoder):
     """A fused graph built before query_seqlens (format 8): it takes several new tokens after a past for one row."""
-    batches_rests = False
 
     def forward_in_place(self, input_ids, attention_mask, cache, **options):
         if input_ids.shape[0] > 1 and 1 < input_ids.shape[1] < attention_mask.shape[1]:

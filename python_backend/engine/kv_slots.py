@@ -63,8 +63,6 @@ class SlotKVCache:
         targets = getattr(decoder, "lora_targets", None)
         self.lora = AdapterInputs(targets) if targets else None
         self.adapters: list = []
-        # Several rows after their pasts in one call (query_seqlens); a graph built before it: one such row a call.
-        self.batches_rests = getattr(decoder, "batches_rests", False)
 
     @property
     def size(self) -> int:
@@ -111,8 +109,6 @@ class SlotKVCache:
         if rests.min() < 1 or min(cached) < 0 or max(reserved) > self.max_len:
             raise ValueError(f"a prompt must hold 1 to {self.max_len} tokens with its max_tokens, one at least "
                              "not cached")
-        if rows > 1 and any(cached) and not self.batches_rests:
-            raise ValueError("this graph takes rows after a past one at a time: build the variant again (make model)")
         longest = int(rests.max())
         input_ids = np.zeros((rows, longest), np.int64)
         for row, (prompt, skip) in enumerate(zip(prompts, cached)):

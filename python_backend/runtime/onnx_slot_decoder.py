@@ -14,7 +14,7 @@ the cache is preallocated, one slot per row, and never copied by a step (python_
 the slots). What onnxruntime's CPU kernel takes (onnxruntime 1.32, docs/architecture.md): any rows, each with its
 own past (none for a first prompt) and its own count of new tokens, right-padded to the longest; a decode step is
 one new token per row. A graph built before ``query_seqlens`` takes several new tokens after a past for one row
-only (``batches_rests`` is False: the slot cache then computes such rows one at a time).
+only (``batches_rests`` is False: it refuses several such rows in one call, and the engine computes them one a call).
 """
 
 from __future__ import annotations
