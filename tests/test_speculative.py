@@ -3,6 +3,8 @@ default, checking the fast variant's drafts. A row decoding alone gets plain dec
 the served model; its stop sequence, penalty and log-probabilities too; rows joining and leaving change nothing; a
 draft that fails costs nothing but the speed. And the llm model's speculative_draft parameter finds its folder."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -95,6 +97,26 @@ def test_rows_joining_and_leaving_a_speculating_row_keep_every_answer(target, dr
     core = run(target, drafter, together, join_after=3)
     assert [s.output_ids for s in together] == [s.output_ids for s in alone]
     assert core.speculation.rounds > 2  # before the others joined (2 rounds) and after they left
+
+
+def test_a_lone_row_decodes_plainly_while_a_request_waits_and_speculates_once_none_does(target, draft, prompts):
+    """A round of drafts (with the draft model's own prefill of the row) would hold back the prefill of requests
+    waiting to join: the lone row speculates only when nothing waits."""
+    one_prompt_a_step = replace(CONFIG, max_prefill_tokens=1)
+    plain = [sequence(prompts[0], max_tokens=40), sequence(prompts[1], max_tokens=4)]
+    for seq in plain:
+        run(target, None, [seq])
+    first, second = sequence(prompts[0], max_tokens=40), sequence(prompts[1], max_tokens=4)
+    core = EngineCore(target, one_prompt_a_step, drafter=Drafter(draft, DRAFTS, MAX_LEN))
+    core.add(first)
+    core.add(second)
+    core.step()  # the first is prefilled and decodes alone; the second waits for the next step's prefill budget
+    assert [len(core.running), len(core.waiting)] == [1, 1]
+    assert core.speculation.rounds == 0, "the lone row speculated while a request waited to join"
+    while core.step().progressed:
+        pass
+    assert core.speculation.rounds > 0  # alone again once the second left, nothing waiting
+    assert [first.output_ids, second.output_ids] == [s.output_ids for s in plain]
 
 
 class FailingOnce:

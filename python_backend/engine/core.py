@@ -331,7 +331,7 @@ class EngineCore:
         scored recomputes its last cached position too: its logits score the first token not cached (the cache
         keeps scores, not logits)."""
         cached = [hits[id(s)].tokens(self.prefix.block_tokens) - scoring if hits.get(id(s)) else 0 for s in rows]
-        fills = [partial(self.prefix.load, hits[id(s)]) if hits.get(id(s)) else None for s in rows]
+        fills = self.prefix.fills([hits.get(id(s)) for s in rows]) if self.prefix else [None] * len(rows)
         options = {"adapters": [s.adapter for s in rows]} if any(s.adapter for s in rows) else {}
         if any(cached):  # (the slot cache's; the padded cache has no prefix caching)
             options.update(cached=cached, fills=fills)
@@ -417,9 +417,12 @@ class EngineCore:
             yield from self._emit(self.running[row])
 
     def _speculates(self, seq: Sequence) -> bool:
-        """Whether this lone row decodes speculatively: greedy (a sampled row would rarely keep a draft), the base
+        """Whether this lone row decodes speculatively: nothing waits to join it (a round, with the draft model's
+        prefill of the row, would hold their prefill back: the first request of a burst behind one instruction
+        held the other 31 for 2 s instead of 0.8 s), greedy (a sampled row would rarely keep a draft), the base
         model (the draft knows no adapter), and room for a draft and the served model's token after it."""
-        return (not seq.finished and seq.params.greedy and seq.adapter is None and seq.remaining_tokens() >= 2
+        return (not self.waiting and not self.prefilling and not seq.finished and seq.params.greedy
+                and seq.adapter is None and seq.remaining_tokens() >= 2
                 and seq.output_ids[-1:] == [int(self._next_tokens[0])])
 
     def _decode_speculative(self, seq: Sequence) -> Iterator[Event]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -153,17 +154,42 @@ class PrefixCache:
         self.hit_tokens += len(prompt) if hit.whole else len(hit.blocks) * self.block_tokens
         return hit
 
-    def load(self, hit: PrefixHit, row: list[np.ndarray]) -> None:
+    def load(self, hit: PrefixHit, row: list, found: list | None = None) -> None:
         """Copies what was found into a row's cache (one [1, kv_heads, max_len, head_dim] view per layer key and
-        value)."""
-        b = self.block_tokens
-        for i, block in enumerate(hit.blocks):
-            for pool, target in zip(self._pool, row):
-                target[0, :, i * b:(i + 1) * b] = pool[block.index]
+        value); ``found``: the hit's tokens already gathered (``gather``)."""
+        for source, target in zip(found or self.gather(hit), row):
+            target[0, :, :source.shape[1]] = source
+
+    def gather(self, hit: PrefixHit) -> list:
+        """The hit's keys and values in token order, one [kv_heads, tokens, head_dim] array per layer key and value:
+        a gather of its pages each (a copy per block would be a numpy call per block and layer)."""
+        pages = [block.index for block in hit.blocks]
+        tokens = len(pages) * self.block_tokens
         if hit.whole is not None and hit.whole.index is not None:
-            start, count = len(hit.blocks) * b, len(hit.whole.tokens)
-            for pool, target in zip(self._pool, row):
-                target[0, :, start:start + count] = pool[hit.whole.index, :, :count]
+            pages.append(hit.whole.index)
+            tokens += len(hit.whole.tokens)
+        found = []
+        for pool in self._pool:
+            blocks = pool[pages]  # [pages, kv_heads, block_tokens, head_dim]
+            heads, dim = blocks.shape[1], blocks.shape[3]
+            found.append(blocks.swapaxes(0, 1).reshape(heads, len(pages) * self.block_tokens, dim)[:, :tokens])
+        return found
+
+    def fills(self, hits: list) -> list:
+        """For each hit (None where nothing was found), what copies it into a row (kv_slots.SlotKVCache.prefill's
+        fills, which may run at once on several threads); rows behind the same blocks (a burst behind one
+        instruction) share one gather, made here."""
+        gathered: dict[tuple, list] = {}
+        fills = []
+        for hit in hits:
+            if not hit:
+                fills.append(None)
+                continue
+            key = tuple(block.key for block in hit.blocks) + ((hit.whole.key,) if hit.whole else ())
+            if key not in gathered:
+                gathered[key] = self.gather(hit)
+            fills.append(partial(self.load, hit, found=gathered[key]))
+        return fills
 
     def store(self, prompt: list[int], salt: str, row: list[np.ndarray], room_tokens: int,
               logits: np.ndarray | None = None, scores: list | None = None, scores_top: int = 0) -> None:
