@@ -178,6 +178,41 @@ def test_copies_of_a_prompt_whose_rest_fails_fail_with_it_and_a_neighbour_is_unc
     assert outputs[1] == without_reuse[2]
 
 
+def test_a_prefix_the_cache_fails_to_store_costs_only_the_reuse(decoder, prompts, without_reuse, capfd):
+    core = reuse(decoder)
+
+    def broken_store(*args, **kwargs):
+        raise MemoryError("no page for the block")
+
+    core.prefix.store = broken_store
+    assert run(core, sequences(prompts)) == without_reuse
+    said = "[engine] prefix cache: a prompt was not stored: MemoryError: no page for the block"
+    assert said in capfd.readouterr().err
+
+
+def test_an_error_after_rows_joined_fails_the_step_and_never_computes_a_row_twice(decoder, prompts, without_reuse):
+    """The chunk's per-sequence retry is for errors before a row joins the cache: computed again, a row that joined
+    would run twice (the same sequence in two rows, each step adding two tokens to it)."""
+    core = reuse(decoder)
+    choose = core._choose_first
+    calls = []
+
+    def failing_once(joined, logits):
+        calls.append(len(joined))
+        if len(calls) == 1:
+            raise RuntimeError("after the rows joined")
+        return choose(joined, logits)
+
+    core._choose_first = failing_once
+    seqs = sequences(prompts[:3])
+    for seq in seqs:
+        core.add(seq)
+    out = core.step()
+    assert isinstance(out.error, RuntimeError) and calls == [3]
+    assert [s.finish_reason for s in seqs] == ["error"] * 3 and core.running == [] and core.cache.size == 0
+    assert run(core, sequences(prompts[:3])) == without_reuse[:3]  # the next requests are served as ever
+
+
 def test_a_batch_sharing_a_prefix_and_a_cancelled_neighbour(decoder, prompts, without_reuse):
     core = reuse(decoder)
     run(core, sequences(prompts[:1]))

@@ -240,9 +240,12 @@ class EngineCore:
         return cancelled
 
     def _prefill(self, chunk: list[Sequence]) -> Iterator[Event]:
+        rows = len(self.running)
         try:
             yield from self._prefill_chunk(chunk)
         except Exception as error:  # noqa: BLE001 - find the culprit: each sequence alone
+            if len(self.running) != rows:  # rows joined the cache: computed again, they would be there twice
+                raise  # the step fails its batch (stream)
             if len(chunk) == 1:
                 yield from self._fail(chunk[0], error)
                 return
@@ -297,10 +300,7 @@ class EngineCore:
             logits = np.concatenate([logits, logits[copied]])
         joined = self.running[first_row:]
         if self.prefix is not None:
-            room = self._prefix_room()
-            for i, seq in enumerate(joined[:len(computed_rows)]):
-                self.prefix.store(seq.prompt_ids, seq.prefix_salt, self.cache.row(first_row + i), room, logits[i],
-                                  seq.prompt_logprobs, seq.params.top_logprobs)
+            self._store_prefixes(joined[:len(computed_rows)], first_row, logits)
         if not joined:
             return
         tokens, failed = self._choose_first(joined, logits)
@@ -310,6 +310,18 @@ class EngineCore:
             yield from self._fail(seq, error)
         for seq in joined:
             yield from self._emit(seq)
+
+    def _store_prefixes(self, joined: list[Sequence], first_row: int, logits: np.ndarray) -> None:
+        """Copies the prompts just prefilled into the prefix cache. The cache only saves work: a copy that fails is
+        said and skipped, and the requests go on."""
+        room = self._prefix_room()
+        for i, seq in enumerate(joined):
+            try:
+                self.prefix.store(seq.prompt_ids, seq.prefix_salt, self.cache.row(first_row + i), room, logits[i],
+                                  seq.prompt_logprobs, seq.params.top_logprobs)
+            except Exception as error:  # noqa: BLE001 - the request does not need it
+                print(f"[engine] prefix cache: a prompt was not stored: {type(error).__name__}: {error}",
+                      file=sys.stderr, flush=True)
 
     def _compute(self, rows: list[Sequence], hits: dict, scoring: bool, errors: dict) -> list[tuple[list, tuple]]:
         """The calls that prefilled these rows, with what each returned: one call, or when it fails each row alone,
