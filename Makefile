@@ -154,7 +154,8 @@ test-setup:
 	@$(MAKE) --no-print-directory -j3 variants clients eval-venv
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
-# It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the suite's own time.
+# It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the set-up's time and the
+# suite's own.
 # The files are spread over TEST_WORKERS processes (pytest-xdist), each file on one worker, so that a worker starts a
 # shared server at most once (0: one process, no workers); the longest files go first (tests/conftest.py). Python may
 # keep bytecode for the next run whatever the shell says (PYTHONDONTWRITEBYTECODE): pytest's rewritten test files are
@@ -163,8 +164,10 @@ test-setup:
 # stops, subprocesses), which a third fills (two runs each, 2026-12-05: pytest 524/526 s on three, 564 s on two; the
 # fast suite, all CPU, 87 s either way).
 TEST_WORKERS ?= 3
-test: test-setup
-	@started=$$(date +%s); \
+test:
+	@started=$$(date +%s); $(MAKE) --no-print-directory test-setup || exit $$?; \
+	echo "make test: the set-up took $$(( $$(date +%s) - started )) s"; \
+	started=$$(date +%s); \
 	env -u PYTHONDONTWRITEBYTECODE TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status
