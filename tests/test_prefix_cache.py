@@ -178,16 +178,27 @@ def test_copies_of_a_prompt_whose_rest_fails_fail_with_it_and_a_neighbour_is_unc
     assert outputs[1] == without_reuse[2]
 
 
-def test_a_prefix_the_cache_fails_to_store_costs_only_the_reuse(decoder, prompts, without_reuse, capfd):
-    core = reuse(decoder)
+class UnwritablePool:
+    """A layer's pool of the prefix cache whose pages cannot be written (the system out of memory)."""
 
-    def broken_store(*args, **kwargs):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getitem__(self, key):
+        return self.inner[key]
+
+    def __setitem__(self, key, value):
         raise MemoryError("no page for the block")
 
-    core.prefix.store = broken_store
+
+def test_a_prefix_the_cache_fails_to_store_costs_only_the_reuse(decoder, prompts, without_reuse, capfd):
+    core = reuse(decoder)
+    free = len(core.prefix._free)
+    core.prefix._pool = [UnwritablePool(pool) for pool in core.prefix._pool]
     assert run(core, sequences(prompts)) == without_reuse
     said = "[engine] prefix cache: a prompt was not stored: MemoryError: no page for the block"
     assert said in capfd.readouterr().err
+    assert (len(core.prefix._free), core.prefix.cached_tokens) == (free, 0), "a page taken for a failed copy was lost"
 
 
 def test_an_error_after_rows_joined_fails_the_step_and_never_computes_a_row_twice(decoder, prompts, without_reuse):

@@ -211,8 +211,7 @@ class PrefixCache:
             index = self._take_page(b, room_tokens)
             if index is None:
                 return
-            for pool, source in zip(self._pool, row):
-                pool[index] = source[0, :, i * b:(i + 1) * b]
+            self._write_page(index, [source[0, :, i * b:(i + 1) * b] for source in row])
             self._add(scored(Block(key, tokens, index, cost=b), i * b))
         if logits is None or not self.logits_tokens:
             return
@@ -228,13 +227,22 @@ class PrefixCache:
             index = self._take_page(cost, room_tokens)
             if index is None:
                 return
-            for pool, source in zip(self._pool, row):
-                pool[index, :, :len(tail)] = source[0, :, len(prompt) - len(tail):len(prompt)]
+            self._write_page(index, [source[0, :, len(prompt) - len(tail):len(prompt)] for source in row])
         else:
             self.trim(room_tokens - cost)
             if self.cached_tokens + cost > room_tokens:
                 return
         self._add(scored(Block(key, tail, index, np.array(logits, np.float32), cost), len(prompt) - len(tail)))
+
+    def _write_page(self, index: int, tokens: list) -> None:
+        """Copies each layer's [kv_heads, n, head_dim] tokens into page ``index`` of its pool; a copy that fails gives
+        the page back to the free list (the caller's entry is then not added)."""
+        try:
+            for pool, source in zip(self._pool, tokens):
+                pool[index, :, :source.shape[1]] = source
+        except BaseException:
+            self._free.append(index)
+            raise
 
     def _touch(self, key: int, tokens: tuple[int, ...]) -> bool:
         """Whether this entry is held (marked recently used); a hash collision's entry is dropped for the new one."""
