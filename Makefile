@@ -151,7 +151,8 @@ serve: model
 # What make test needs, three jobs at a time: the test-only venvs are installed while the export and the variants
 # are built.
 test-setup:
-	@$(MAKE) --no-print-directory -j3 variants clients eval-venv
+	@started=$$(date +%s); $(MAKE) --no-print-directory -j3 variants clients eval-venv || exit $$?; \
+	echo "make test-setup: took $$(( $$(date +%s) - started )) s"
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the set-up's time and the
@@ -164,10 +165,8 @@ test-setup:
 # stops, subprocesses), which a third fills (two runs each, 2026-12-05: pytest 524/526 s on three, 564 s on two; the
 # fast suite, all CPU, 87 s either way).
 TEST_WORKERS ?= 3
-test:
-	@started=$$(date +%s); $(MAKE) --no-print-directory test-setup || exit $$?; \
-	echo "make test: the set-up took $$(( $$(date +%s) - started )) s"; \
-	started=$$(date +%s); \
+test: test-setup
+	@started=$$(date +%s); \
 	env -u PYTHONDONTWRITEBYTECODE TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status

@@ -119,6 +119,18 @@ def test_a_lone_row_decodes_plainly_while_a_request_waits_and_speculates_once_no
     assert [first.output_ids, second.output_ids] == [s.output_ids for s in plain]
 
 
+def test_a_groups_lone_row_speculates_while_the_next_group_waits(target, draft, prompts):
+    """Dynamic batching: a request waiting cannot join the running group, so its lone row speculates anyway."""
+    first, second = sequence(prompts[0], max_tokens=40), sequence(prompts[1], max_tokens=4)
+    core = EngineCore(target, replace(CONFIG, strategy="dynamic"), drafter=Drafter(draft, DRAFTS, MAX_LEN))
+    core.add(first)
+    core.step()
+    core.add(second)
+    rounds = core.speculation.rounds
+    core.step()
+    assert [len(core.running), len(core.waiting)] == [1, 1] and core.speculation.rounds == rounds + 1
+
+
 class FailingOnce:
     """The draft decoder, raising at its first call."""
 

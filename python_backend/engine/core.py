@@ -429,11 +429,12 @@ class EngineCore:
             yield from self._emit(self.running[row])
 
     def _speculates(self, seq: Sequence) -> bool:
-        """Whether this lone row decodes speculatively: nothing waits to join it (a round, with the draft model's
-        prefill of the row, would hold their prefill back: the first request of a burst behind one instruction
-        held the other 31 for 2 s instead of 0.8 s), greedy (a sampled row would rarely keep a draft), the base
-        model (the draft knows no adapter), and room for a draft and the served model's token after it."""
-        return (not self.waiting and not self.prefilling and not seq.finished and seq.params.greedy
+        """Whether this lone row decodes speculatively: nothing waits to join it (continuous batching; a round, with
+        the draft model's prefill of the row, would hold their prefill back: the first request of a burst behind one
+        instruction held the other 31 for 2 s instead of 0.8 s), greedy (a sampled row would rarely keep a draft),
+        the base model (the draft knows no adapter), and room for a draft and the served model's token after it."""
+        joining = self.prefilling or (self.waiting and self.config.strategy == "continuous")  # (a group: none joins)
+        return (not joining and not seq.finished and seq.params.greedy
                 and seq.adapter is None and seq.remaining_tokens() >= 2
                 and seq.output_ids[-1:] == [int(self._next_tokens[0])])
 

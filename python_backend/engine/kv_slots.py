@@ -22,7 +22,7 @@ import math
 import mmap
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -152,7 +152,10 @@ class SlotKVCache:
             for row, fill in rows:
                 fill(self._rows(row, row + 1))
             return
-        list(fill_pool().map(lambda work: work[1](self._rows(work[0], work[0] + 1)), rows))
+        copies = [fill_pool().submit(fill, self._rows(row, row + 1)) for row, fill in rows]
+        wait(copies)  # every copy ended before the caller may free or reuse a slot, whichever raised
+        for copy in copies:
+            copy.result()
 
     def adopt(self, length: int, reserved: int, fill, adapter=None) -> None:
         """A row in the next free slot whose ``length`` tokens ``fill(row)`` writes in whole (a prompt the prefix

@@ -33,7 +33,7 @@ token not cached; and, for a prompt seen whole, what makes it need no computing 
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import partial
 
@@ -156,13 +156,24 @@ class PrefixCache:
 
     def load(self, hit: PrefixHit, row: list, found: list | None = None) -> None:
         """Copies what was found into a row's cache (one [1, kv_heads, max_len, head_dim] view per layer key and
-        value); ``found``: the hit's tokens already gathered (``gather``)."""
-        for source, target in zip(found or self.gather(hit), row):
-            target[0, :, :source.shape[1]] = source
+        value): block by block, or from ``found``, the hit's tokens already gathered for several rows (``gather``)."""
+        if found is not None:
+            for source, target in zip(found, row):
+                target[0, :, :source.shape[1]] = source
+            return
+        b = self.block_tokens
+        for i, block in enumerate(hit.blocks):
+            for pool, target in zip(self._pool, row):
+                target[0, :, i * b:(i + 1) * b] = pool[block.index]
+        if hit.whole is not None and hit.whole.index is not None:
+            start, count = len(hit.blocks) * b, len(hit.whole.tokens)
+            for pool, target in zip(self._pool, row):
+                target[0, :, start:start + count] = pool[hit.whole.index, :, :count]
 
     def gather(self, hit: PrefixHit) -> list:
-        """The hit's keys and values in token order, one [kv_heads, tokens, head_dim] array per layer key and value:
-        a gather of its pages each (a copy per block would be a numpy call per block and layer)."""
+        """The hit's keys and values in token order, one [kv_heads, tokens, head_dim] array per layer key and value,
+        for rows that share them: one gather of its pages a layer, where a copy per block would be a call per block,
+        layer and row."""
         pages = [block.index for block in hit.blocks]
         tokens = len(pages) * self.block_tokens
         if hit.whole is not None and hit.whole.index is not None:
@@ -177,19 +188,13 @@ class PrefixCache:
 
     def fills(self, hits: list) -> list:
         """For each hit (None where nothing was found), what copies it into a row (kv_slots.SlotKVCache.prefill's
-        fills, which may run at once on several threads); rows behind the same blocks (a burst behind one
-        instruction) share one gather, made here."""
-        gathered: dict[tuple, list] = {}
-        fills = []
-        for hit in hits:
-            if not hit:
-                fills.append(None)
-                continue
-            key = tuple(block.key for block in hit.blocks) + ((hit.whole.key,) if hit.whole else ())
-            if key not in gathered:
-                gathered[key] = self.gather(hit)
-            fills.append(partial(self.load, hit, found=gathered[key]))
-        return fills
+        fills, which may run at once on several threads). Rows behind the same blocks (a burst behind one
+        instruction) share one gather, made here; a hit of one row is copied block by block."""
+        keys = [tuple(block.key for block in hit.blocks) + ((hit.whole.key,) if hit.whole else ()) if hit else None
+                for hit in hits]
+        shared = {key for key, rows in Counter(keys).items() if key is not None and rows > 1}
+        gathered = {key: self.gather(hit) for key, hit in zip(keys, hits) if key in shared}
+        return [partial(self.load, hit, found=gathered.get(key)) if hit else None for key, hit in zip(keys, hits)]
 
     def store(self, prompt: list[int], salt: str, row: list[np.ndarray], room_tokens: int,
               logits: np.ndarray | None = None, scores: list | None = None, scores_top: int = 0) -> None:
@@ -241,7 +246,7 @@ class PrefixCache:
             for pool, source in zip(self._pool, tokens):
                 pool[index, :, :source.shape[1]] = source
         except BaseException:
-            self._free.append(index)
+            self._free_page(index)
             raise
 
     def _touch(self, key: int, tokens: tuple[int, ...]) -> bool:
@@ -281,7 +286,10 @@ class PrefixCache:
         self._count(block, -1)
         if block.index is None:
             return
-        start = block.index * self._block_bytes
+        self._free_page(block.index)
+
+    def _free_page(self, index: int) -> None:
+        """Gives a page of the pool back to the system and to the free list."""
         for m in self._maps:
-            m.madvise(mmap.MADV_DONTNEED, start, self._block_bytes)
-        self._free.append(block.index)
+            m.madvise(mmap.MADV_DONTNEED, index * self._block_bytes, self._block_bytes)
+        self._free.append(index)
