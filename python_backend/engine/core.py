@@ -343,10 +343,9 @@ class EngineCore:
         scored recomputes its last cached position too: its logits score the first token not cached (the cache
         keeps scores, not logits)."""
         cached = [hits[id(s)].tokens(self.prefix.block_tokens) - scoring if hits.get(id(s)) else 0 for s in rows]
-        fills = self.prefix.fills([hits.get(id(s)) for s in rows]) if self.prefix else [None] * len(rows)
         options = {"adapters": [s.adapter for s in rows]} if any(s.adapter for s in rows) else {}
         if any(cached):  # (the slot cache's; the padded cache has no prefix caching)
-            options.update(cached=cached, fills=fills)
+            options.update(cached=cached, fills=self.prefix.fills([hits.get(id(s)) for s in rows]))
         prompts, reserved = [s.prompt_ids for s in rows], [s.reserved_tokens() for s in rows]
         logits, computed, padding = self.cache.prefill(prompts, reserved, all_positions=scoring, **options)
         if not scoring:
@@ -431,7 +430,7 @@ class EngineCore:
     def _speculates(self, seq: Sequence) -> bool:
         """Whether this lone row decodes speculatively: nothing waits to join it (continuous batching; a round, with
         the draft model's prefill of the row, would hold their prefill back: the first request of a burst behind one
-        instruction held the other 31 for 2 s instead of 0.8 s), greedy (a sampled row would rarely keep a draft),
+        instruction held the other 31 for 2 s instead of 1 s), greedy (a sampled row would rarely keep a draft),
         the base model (the draft knows no adapter), and room for a draft and the served model's token after it."""
         joining = self.prefilling or (self.waiting and self.config.strategy == "continuous")  # (a group: none joins)
         return (not joining and not seq.finished and seq.params.greedy
