@@ -14,6 +14,7 @@ from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
 from tests.helpers import KV_TEST_PROMPTS, process_with_argument, variant_folder, zombie_children
+from tests.tiny_engine_model import tiny_engine_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -44,6 +45,21 @@ def model_dir() -> Path:
     if not (path / ONNX_FILE).is_file():
         pytest.fail(f"no exported model at {path}: run `make model` (make test does it)")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_dir) -> Path:
+    """The export of the engine tests' tiny model (tests/tiny_engine_model.py says why), its fp32 and fast variants
+    beside it in build/tiny; built here where missing (`make test` checks it is up to date first)."""
+    return tiny_engine_model(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tiny_dir):
+    """The tiny model's export graph (its padded KV cache), as `decoder` is the real export's."""
+    from python_backend.runtime.onnx_decoder import OnnxDecoder
+
+    return OnnxDecoder(tiny_dir / ONNX_FILE)
 
 
 @pytest.fixture(scope="session")
@@ -285,14 +301,11 @@ LONGEST_FIRST = [
     "test_fault_isolation.py",  # 33
     "test_structured_server.py",  # 30
     "test_limits.py",  # 30
-    "test_prefix_cache.py",  # 28, fast suite 23
     "test_streaming.py",  # 28
-    "test_runtimes.py",  # 28, fast suite 17
     "test_runtime_server.py",  # 21
     "test_guided_engine.py",  # 21, fast suite 19
     "test_run_batch.py",  # 18, fast suite 6
     "test_fast_variant.py",  # 16
-    "test_engine.py",  # 16, fast suite 15
 ]
 
 

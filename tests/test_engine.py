@@ -1,4 +1,5 @@
-"""The engine on the real exported model: the three strategies, joining mid-flight, cancellation, bounds."""
+"""The engine on the export of the engine tests' tiny model (tests/helpers.py: TINY_ENGINE_MODEL): the three
+strategies, joining mid-flight, cancellation, bounds."""
 
 import threading
 import time
@@ -15,6 +16,11 @@ from tests.helpers import fail_choice_after, outputs_alone
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):", "Name a color."]
 MAX_TOKENS = [12, 6, 10, 8, 5]
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    return tiny_decoder
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,11 @@ PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长�
 
 
 @pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    return tiny_decoder
+
+
+@pytest.fixture(scope="module")
 def prompts(tokenizer):
     return [tokenizer.encode(p, apply_chat_template=True) for p in PROMPTS]
 

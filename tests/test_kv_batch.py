@@ -1,4 +1,5 @@
-"""The KV-cache batch on the real exported model: batching, dropping and joining must not change a greedy answer."""
+"""The KV-cache batch on the tiny model's export (tests/helpers.py: TINY_ENGINE_MODEL): batching, dropping and
+joining must not change a greedy answer."""
 
 import numpy as np
 import pytest
@@ -14,6 +15,11 @@ from tests.helpers import outputs_alone
 
 def sequences(prompts, max_tokens=12, eos=(2,)):
     return [Sequence(prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, end_ids=eos)) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    return tiny_decoder
 
 
 @pytest.fixture(scope="module")

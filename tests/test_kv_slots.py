@@ -1,4 +1,5 @@
-"""The slot KV cache (python_backend/engine/kv_slots.py) on the real fused graph (QUANT=fast): rows that join, leave,
+"""The slot KV cache (python_backend/engine/kv_slots.py) on the fused graph of the engine tests'
+tiny model (QUANT=fast; tests/helpers.py: TINY_ENGINE_MODEL): rows that join, leave,
 are cancelled or fail never change another row's greedy answer; freed slots go back to the system; the scheduler
 counts each row's own reservation."""
 
@@ -25,8 +26,8 @@ MAX_TOKENS = (6, 14, 9, 20, 11)  # rows leave at different steps
 
 
 @pytest.fixture(scope="module")
-def decoder(model_dir):
-    fused = cpu_decoder(variant_folder(model_dir, "fast") / ONNX_FILE)
+def decoder(tiny_dir):
+    fused = cpu_decoder(variant_folder(tiny_dir, "fast") / ONNX_FILE)
     assert isinstance(fused, OnnxSlotDecoder)
     return fused
 

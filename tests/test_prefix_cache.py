@@ -1,4 +1,5 @@
-"""Prefix caching on the real exact fused graph (QUANT=int4): greedy tokens identical with reuse on and off for
+"""Prefix caching on the fused graph of the engine tests' tiny model (QUANT=fp32, exact; tests/helpers.py:
+TINY_ENGINE_MODEL): greedy tokens identical with reuse on and off for
 shared prefixes of several lengths, a whole prompt cached, a batch and a cancelled neighbour; salts kept apart;
 the least recently used prefix evicted under a small budget and recomputed to the same tokens; the cache's token
 and byte counts, kept as entries come and go, always the sums over the entries it holds."""
@@ -24,8 +25,8 @@ CONFIG = SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length
 
 
 @pytest.fixture(scope="module")
-def decoder(model_dir):
-    return cpu_decoder(variant_folder(model_dir, "int4") / ONNX_FILE)
+def decoder(tiny_dir):
+    return cpu_decoder(variant_folder(tiny_dir, "fp32") / ONNX_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +269,12 @@ def test_the_least_recently_used_prefix_is_evicted_under_a_small_budget(decoder,
     assert core.prefix.hit_tokens - hits < 48, "what was evicted was computed again, not found"
 
 
-def test_the_switch_off_computes_everything_and_the_padded_cache_refuses_it(decoder, prompts, model_dir):
+def test_the_switch_off_computes_everything_and_the_padded_cache_refuses_it(decoder, prompts, tiny_dir):
     core = EngineCore(decoder, CONFIG)
     run(core, sequences(prompts[:2]))
     assert core.prefix is None
     with pytest.raises(ValueError, match="enable_kv_cache_reuse needs a fused graph"):
-        EngineCore(cpu_decoder(model_dir / ONNX_FILE), SchedulerConfig(enable_kv_cache_reuse=True))
+        EngineCore(cpu_decoder(tiny_dir / ONNX_FILE), SchedulerConfig(enable_kv_cache_reuse=True))
 
 
 def test_log_probabilities_after_a_cached_prefix_are_a_full_prefills_bit_for_bit(decoder, prompts):

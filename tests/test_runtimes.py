@@ -1,6 +1,7 @@
 """The llm model's runtimes without a server: the device code path (torch tensors through onnxruntime's IO binding)
-is token-exact with the host path on the real export and on the fused graph's slot cache (prefix caching on), and a
-runtime that cannot run here says what is missing."""
+is token-exact with the host path on the export and on the fused graph's slot cache (prefix caching on), and a
+runtime that cannot run here says what is missing: on the engine tests' tiny model (tests/helpers.py:
+TINY_ENGINE_MODEL)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,13 @@ LIMITS = ServingLimits(max_batch_size=32, max_prefill_tokens=1024, max_context_l
 
 
 @pytest.fixture(scope="module")
-def device_decoder(model_dir):
-    return OnnxDeviceDecoder.on_cpu(model_dir / ONNX_FILE)
+def decoder(tiny_decoder):
+    return tiny_decoder
+
+
+@pytest.fixture(scope="module")
+def device_decoder(tiny_dir):
+    return OnnxDeviceDecoder.on_cpu(tiny_dir / ONNX_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +94,14 @@ def test_sessions_take_the_environments_thread_count_where_the_config_names_none
     assert onnx_decoder.session_options(2).intra_op_num_threads == 2  # the config's own count wins
 
 
-def test_the_factory_opens_the_cpu_runtimes(model_dir):
-    plain = open_decoder(RuntimeSettings(), model_dir, LIMITS, PROJECT_ROOT)
-    bound = open_decoder(RuntimeSettings(io_binding=True), model_dir, LIMITS, PROJECT_ROOT)
+def test_the_factory_opens_the_cpu_runtimes(tiny_dir):
+    plain = open_decoder(RuntimeSettings(), tiny_dir, LIMITS, PROJECT_ROOT)
+    bound = open_decoder(RuntimeSettings(io_binding=True), tiny_dir, LIMITS, PROJECT_ROOT)
     assert type(plain).__name__ == "OnnxDecoder" and type(bound).__name__ == "OnnxDeviceDecoder"
 
 
-def test_a_fused_folder_opens_a_slot_decoder_on_each_path_and_tensorrt_refuses_it(model_dir):
-    fused = variant_dir(model_dir, "fast")
+def test_a_fused_folder_opens_a_slot_decoder_on_each_path_and_tensorrt_refuses_it(tiny_dir):
+    fused = variant_dir(tiny_dir, "fast")
     host = open_decoder(RuntimeSettings(), fused, LIMITS, PROJECT_ROOT)
     bound = open_decoder(RuntimeSettings(io_binding=True), fused, LIMITS, PROJECT_ROOT)
     assert (type(host).__name__, type(bound).__name__) == ("OnnxSlotDecoder", "OnnxSlotDeviceDecoder")
@@ -109,14 +115,14 @@ def test_a_fused_folder_opens_a_slot_decoder_on_each_path_and_tensorrt_refuses_i
             open_decoder(RuntimeSettings(runtime="onnxruntime-cuda"), fused, LIMITS, PROJECT_ROOT)
 
 
-def test_the_slot_cache_on_the_device_path_gives_the_host_paths_tokens_with_prefix_caching(model_dir, prompts):
+def test_the_slot_cache_on_the_device_path_gives_the_host_paths_tokens_with_prefix_caching(tiny_dir, prompts):
     """The fused graph through IO binding with its slots (and the prefix cache's blocks) in torch tensors, as
     onnxruntime-cuda runs it, here on CPU tensors: two rounds of prompts behind one shared prefix (the second round
     served from the cache), rows of different lengths leaving and joining; every token the host path's."""
     from python_backend.engine.core import EngineCore
     from python_backend.runtime.onnx_slot_decoder import OnnxSlotDeviceDecoder
 
-    path = variant_folder(model_dir, "fp32") / ONNX_FILE
+    path = variant_folder(tiny_dir, "fp32") / ONNX_FILE
     prompts = prompts[:4]
     shared = [token for p in prompts for token in p][:48]
     config = SchedulerConfig(max_batch_size=8, kv_layout="slots", max_context_length=512, kv_budget_tokens=65536,
@@ -143,17 +149,17 @@ def test_the_slot_cache_on_the_device_path_gives_the_host_paths_tokens_with_pref
 
 
 @pytest.mark.parametrize("runtime", GPU_RUNTIMES)
-def test_a_gpu_runtime_without_a_gpu_fails_saying_what_is_missing(model_dir, runtime):
+def test_a_gpu_runtime_without_a_gpu_fails_saying_what_is_missing(tiny_dir, runtime):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     with pytest.raises(RuntimeUnavailableError, match=rf"runtime '{runtime}' .*torch sees no CUDA device"):
-        open_decoder(RuntimeSettings(runtime=runtime), model_dir, LIMITS, PROJECT_ROOT)
+        open_decoder(RuntimeSettings(runtime=runtime), tiny_dir, LIMITS, PROJECT_ROOT)
 
 
-def test_allow_cpu_fallback_serves_on_the_cpu_and_says_why(model_dir, capsys):
+def test_allow_cpu_fallback_serves_on_the_cpu_and_says_why(tiny_dir, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    decoder = open_decoder(RuntimeSettings(runtime="onnxruntime-cuda", allow_cpu_fallback=True), model_dir, LIMITS,
+    decoder = open_decoder(RuntimeSettings(runtime="onnxruntime-cuda", allow_cpu_fallback=True), tiny_dir, LIMITS,
                            PROJECT_ROOT)
     assert type(decoder).__name__ == "OnnxDecoder"
     assert "allow_cpu_fallback is set: serving on the CPU" in capsys.readouterr().err
@@ -199,12 +205,12 @@ def _parse_profiles(option: str) -> list[dict[str, tuple[int, ...]]]:
     return profiles
 
 
-def test_the_tensorrt_provider_gets_both_profiles_for_every_input(model_dir):
-    limits = decoder_limits(model_dir / ONNX_FILE, LIMITS)
+def test_the_tensorrt_provider_gets_both_profiles_for_every_input(tiny_dir):
+    limits = decoder_limits(tiny_dir / ONNX_FILE, LIMITS)
     options = onnx_providers.tensorrt_options(0, 1234, onnx_providers.TensorrtProviderSettings(limits=limits))
     assert options["user_compute_stream"] == "1234" and options["trt_fp16_enable"] == "True"
     expected = optimization_profiles(limits)
-    session_inputs = {i.name for i in ort.InferenceSession(str(model_dir / ONNX_FILE)).get_inputs()}
+    session_inputs = {i.name for i in ort.InferenceSession(str(tiny_dir / ONNX_FILE)).get_inputs()}
     for bound in ("min", "opt", "max"):
         parsed = _parse_profiles(options[f"trt_profile_{bound}_shapes"])
         assert len(parsed) == len(expected) == 2
@@ -213,13 +219,13 @@ def test_the_tensorrt_provider_gets_both_profiles_for_every_input(model_dir):
             assert all(profile[name] == getattr(ranges[name], bound) for name in profile)
 
 
-def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(model_dir, decoder):
-    limits = decoder_limits(model_dir / ONNX_FILE, LIMITS)
+def test_decoder_limits_read_the_cache_dims_from_the_graph_without_its_weights(tiny_dir, decoder):
+    limits = decoder_limits(tiny_dir / ONNX_FILE, LIMITS)
     shape = decoder.cache_shape
     assert (limits.num_layers, limits.num_kv_heads, limits.head_dim) == (shape.num_layers, shape.num_kv_heads,
                                                                          shape.head_dim)
     assert limits.max_batch_size == 32 and limits.max_context_length == 2048
-    assert file_cache_shape(model_dir / ONNX_FILE) == shape  # the file's declared inputs, as the session sees them
+    assert file_cache_shape(tiny_dir / ONNX_FILE) == shape  # the file's declared inputs, as the session sees them
 
 
 class AlwaysToken:
@@ -238,7 +244,7 @@ class AlwaysToken:
         return logits, present
 
 
-def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(decoder, model_dir, monkeypatch, capsys):
+def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(decoder, tiny_dir, monkeypatch, capsys):
     from scripts.bench import runtime_benchmark
 
     # Short requests (the comparison is under test, not the workload); the session's decoder for onnxruntime, and
@@ -256,7 +262,7 @@ def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(decoder, mod
 
     monkeypatch.setattr(runtime_benchmark, "open_decoder", open_decoder)
     runtimes = "onnxruntime,onnxruntime+io_binding,onnxruntime-cuda"
-    assert runtime_benchmark.main(["--model-dir", str(model_dir), "--runtimes", runtimes, "--requests", "2",
+    assert runtime_benchmark.main(["--model-dir", str(tiny_dir), "--runtimes", runtimes, "--requests", "2",
                                    "--repeats", "1"]) == 0
     assert [(s.runtime, s.io_binding) for s in opened] == [("onnxruntime", False), ("onnxruntime", True),
                                                           ("onnxruntime-cuda", False)]

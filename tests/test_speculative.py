@@ -1,7 +1,8 @@
-"""Speculative decoding in the engine (python_backend/engine/speculative.py), on the real model: fp32, the served
-default, checking the fast variant's drafts. A row decoding alone gets plain decoding's tokens, in fewer calls of
-the served model; its stop sequence, penalty and log-probabilities too; rows joining and leaving change nothing; a
-draft that fails costs nothing but the speed. And the llm model's speculative_draft parameter finds its folder."""
+"""Speculative decoding in the engine (python_backend/engine/speculative.py), on the engine tests' tiny model
+(tests/helpers.py: TINY_ENGINE_MODEL): fp32, the served default, checking the fast variant's drafts. A row decoding
+alone gets plain decoding's tokens, in fewer calls of the served model; its stop sequence, penalty and
+log-probabilities too; rows joining and leaving change nothing; a draft that fails costs nothing but the speed. And
+the llm model's speculative_draft parameter finds its folder (beside the real model's folders)."""
 
 from dataclasses import replace
 
@@ -24,13 +25,13 @@ CONFIG = SchedulerConfig(max_batch_size=4, kv_budget_tokens=20_000, kv_layout="s
 
 
 @pytest.fixture(scope="module")
-def target(model_dir):
-    return cpu_decoder(variant_folder(model_dir, "fp32") / ONNX_FILE)
+def target(tiny_dir):
+    return cpu_decoder(variant_folder(tiny_dir, "fp32") / ONNX_FILE)
 
 
 @pytest.fixture(scope="module")
-def draft(model_dir):
-    return cpu_decoder(variant_folder(model_dir, "fast") / ONNX_FILE)
+def draft(tiny_dir):
+    return cpu_decoder(variant_folder(tiny_dir, "fast") / ONNX_FILE)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""scripts/bench/speculative_probe.py's two decoders: fp32 checking the fast variant's drafts gives fp32's own greedy
-answer token for token, in fewer fp32 calls than tokens."""
+"""scripts/bench/speculative_probe.py's two decoders, on the engine tests' tiny model (tests/helpers.py:
+TINY_ENGINE_MODEL): fp32 checking the fast variant's drafts gives fp32's own greedy answer token for token, in fewer
+fp32 calls than tokens."""
 
 import pytest
 
@@ -13,8 +14,8 @@ TOKENS, MAX_LEN = 20, 512
 
 
 @pytest.fixture(scope="module")
-def decoders(model_dir):
-    return [cpu_decoder(variant_folder(model_dir, variant) / ONNX_FILE) for variant in ("fp32", "fast")]
+def decoders(tiny_dir):
+    return [cpu_decoder(variant_folder(tiny_dir, variant) / ONNX_FILE) for variant in ("fp32", "fast")]
 
 
 def test_fp32_checking_drafts_gives_its_own_greedy_answer(decoders, tokenizer):
