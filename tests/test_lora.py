@@ -228,45 +228,68 @@ ADAPTER_SPECS = {"sql": "8:16:q_proj,v_proj", "chat": "16:16:all:rslora"}  # PEF
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def peft_run(settings, kv_prompts):
-    """Adapters made with PEFT on the served model's weights (random B: the answers change) and PEFT's greedy tokens
-    for four chat prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv). Kept under
-    build/ by a digest of what makes them (the script, the base's config, the prompts, the specs): made once."""
+def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list[list[int]], dict]:
+    """Adapters made with PEFT on an export's base weights (random B: the answers change) and PEFT's greedy tokens
+    for these prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv): (its folder, the
+    prompts, name -> answers). Kept under build/ by a digest of what makes them (the script, the base's config and
+    the tiny model's recipe, the prompts, the specs): made once."""
     from scripts.eval.peft_reference import EVAL_PYTHON, cached_run
+    from tests.tiny_engine_model import RECIPE_FILE
 
     if not EVAL_PYTHON.exists():
         pytest.skip(f"{EVAL_PYTHON} is missing (PEFT lives in the eval venv): make eval-venv")
-    prompts = kv_prompts[:4]
-    arguments = ["--base", settings["hf_dir"], "--max-tokens", str(MAX_TOKENS),
+    hf_dir = Path(settings["hf_dir"])
+    arguments = ["--base", str(hf_dir), "--max-tokens", str(MAX_TOKENS),
                  "--eos", ",".join(map(str, settings["eos_token_ids"])),
                  *(f"--adapter={name}:{spec}" for name, spec in ADAPTER_SPECS.items())]
-    folder = cached_run(arguments, {"prompts": prompts}, [(Path(settings["hf_dir"]) / "config.json").read_text()])
+    made_of = [(hf_dir / name).read_text() for name in ("config.json", RECIPE_FILE) if (hf_dir / name).is_file()]
+    folder = cached_run(arguments, {"prompts": prompts}, made_of)
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 
 
-@pytest.fixture(scope="module", params=["fp32", "int4"])
-def lora_decoder(request, model_dir, settings):
-    """A variant's adapter graph on the CPU: fp32, and int4 (exact for the default model: its 4-bit base products
-    give back the GGUF's weights, and the adapters' deltas are fp32)."""
-    from python_backend.model_files import ADAPTER_ONNX_FILE
-    from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
-    from tests.helpers import variant_folder
+@pytest.fixture(scope="module")
+def peft_run(settings, kv_prompts):
+    """PEFT's adapters and answers on the served model (four chat prompts)."""
+    return peft_reference(settings, kv_prompts[:4])
 
-    decoder = OnnxSlotDecoder(variant_folder(model_dir, request.param) / ADAPTER_ONNX_FILE)
-    config = json.loads((Path(settings["hf_dir"]) / "config.json").read_text())
-    assert len(decoder.lora_targets) == 5 * config["num_hidden_layers"]
-    return decoder
+
+class LoraCase:
+    """A variant's adapter graph on the CPU, beside PEFT's adapters and answers on its base."""
+
+    def __init__(self, export: Path, variant: str, prompts: list[list[int]]):
+        from python_backend.model_files import ADAPTER_ONNX_FILE, SETTINGS_FILE
+        from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+        from tests.helpers import variant_folder
+
+        self.settings = json.loads((export / SETTINGS_FILE).read_text())
+        self.decoder = OnnxSlotDecoder(variant_folder(export, variant) / ADAPTER_ONNX_FILE)
+        config = json.loads((Path(self.settings["hf_dir"]) / "config.json").read_text())
+        assert len(self.decoder.lora_targets) == 5 * config["num_hidden_layers"]
+        self.base = BaseShapes.from_config(config)
+        self.folder, self.prompts, self.reference = peft_reference(self.settings, prompts)
+
+    def adapters(self) -> dict:
+        """Each adapter read from its folder (a fresh load: another adapter for the prefix cache)."""
+        return {name: read_peft(self.folder / name, name, self.base) for name in ADAPTER_SPECS}
+
+
+@pytest.fixture(scope="module", params=["fp32", "int4"])
+def lora_case(request, model_dir, tiny_dir, kv_prompts):
+    """fp32: the engine tests' tiny model's (tests/tiny_engine_model.py: the engine's logic, whatever the weights);
+    int4: the default model's (exact: its 4-bit base products give back the GGUF's weights, and the adapters' deltas
+    are fp32)."""
+    return LoraCase(tiny_dir if request.param == "fp32" else model_dir, request.param, kv_prompts[:4])
 
 
 @pytest.fixture
-def lora_core(lora_decoder):
+def lora_core(lora_case):
     """An engine core on it (its prefix cache empty): continuous batching with prefix caching."""
     from python_backend.engine.core import EngineCore
     from python_backend.engine.scheduler import SchedulerConfig
 
-    return EngineCore(lora_decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots", max_context_length=512,
-                                                    kv_budget_tokens=16384, enable_kv_cache_reuse=True))
+    return EngineCore(lora_case.decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots",
+                                                         max_context_length=512, kv_budget_tokens=16384,
+                                                         enable_kv_cache_reuse=True))
 
 
 def run(core, sequences) -> list[list[int]]:
@@ -286,11 +309,9 @@ def sequences(prompts, adapters, settings, names):
                      adapter=adapters.get(name)) for name in names for prompt in prompts]
 
 
-def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_greedy_tokens(peft_run, lora_core,
-                                                                                         settings):
-    folder, prompts, reference = peft_run
-    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
-    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}
+def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_greedy_tokens(lora_case, lora_core):
+    prompts, reference, settings, adapters = lora_case.prompts, lora_case.reference, lora_case.settings, \
+        lora_case.adapters()
     assert all(reference[name] != reference[""] for name in ADAPTER_SPECS), "an adapter that changes nothing"
     names = ["", "sql", "chat"]
     expected = [answer for name in names for answer in reference[name]]
@@ -301,11 +322,9 @@ def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_gre
     assert lora_core.prefix.hit_tokens > hits
 
 
-def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run, lora_core, settings):
-    folder, prompts, reference = peft_run
-    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
-    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}  # a fresh load of each
-    prompt = [prompts[1]]
+def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(lora_case, lora_core):
+    reference, settings, adapters = lora_case.reference, lora_case.settings, lora_case.adapters()
+    prompt = [lora_case.prompts[1]]
     assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
     for name in ("chat", ""):  # the same tokens under another adapter, and the base: nothing found
         hits = lora_core.prefix.hit_tokens
@@ -315,25 +334,24 @@ def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(peft_run,
     assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
     assert lora_core.prefix.hit_tokens > hits
     # the same name loaded again is another adapter: its prefixes are its own
-    again = {"sql": read_peft(folder / "sql", "sql", base)}
+    again = {"sql": lora_case.adapters()["sql"]}
     hits = lora_core.prefix.hit_tokens
     assert run(lora_core, sequences(prompt, again, settings, ["sql"])) == [reference["sql"][1]]
     assert lora_core.prefix.hit_tokens == hits
 
 
-@pytest.mark.parametrize("lora_decoder", ["fp32"], indirect=True)  # scheduling: one variant is enough
-def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait_their_turn(peft_run, lora_decoder,
-                                                                                           settings):
+@pytest.mark.parametrize("lora_case", ["fp32"], indirect=True)  # scheduling: one variant is enough
+def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait_their_turn(lora_case):
     from python_backend.engine.core import EngineCore
     from python_backend.engine.sampling import SamplingParams
     from python_backend.engine.scheduler import SchedulerConfig
     from python_backend.engine.sequence import Sequence
 
-    folder, prompts, reference = peft_run
-    base = BaseShapes.from_config(json.loads((Path(settings["hf_dir"]) / "config.json").read_text()))
-    adapters = {name: read_peft(folder / name, name, base) for name in ADAPTER_SPECS}
-    core = EngineCore(lora_decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots", max_context_length=512,
-                                                    kv_budget_tokens=16384, max_adapters_per_step=1))
+    prompts, reference, settings, adapters = lora_case.prompts, lora_case.reference, lora_case.settings, \
+        lora_case.adapters()
+    core = EngineCore(lora_case.decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots",
+                                                         max_context_length=512, kv_budget_tokens=16384,
+                                                         max_adapters_per_step=1))
     order = [("sql", 0), ("chat", 1), ("", 2), ("sql", 3)]
     seqs = [Sequence(prompt_ids=list(prompts[i]), params=SamplingParams(
         max_tokens=MAX_TOKENS, end_ids=tuple(settings["eos_token_ids"])), adapter=adapters.get(name))
