@@ -136,14 +136,15 @@ def mixed_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     return path
 
 
-def small_gguf(path: Path, tensors: dict[str, str]) -> Path:
-    """A GGUF file of only these tensors (name -> type), 2 rows of 256 each, without the tokenizer a model's file
-    carries: its header says what a big file's would."""
+def small_gguf(path: Path, tensors: dict[str, str], rows: dict[str, int] | None = None) -> Path:
+    """A GGUF file of only these tensors (name -> type), each 256 wide, of 2 rows (or rows[name]) drawn with a seed
+    of its own, without the tokenizer a model's file carries: its header says what a big file's would."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    for name, kind in tensors.items():
-        writer.add_tensor(name, gguf_files.encode(weights(2, 256), kind), raw_dtype=GGMLQuantizationType[kind])
+    for seed, (name, kind) in enumerate(tensors.items()):
+        values = weights((rows or {}).get(name, 2), 256, seed)
+        writer.add_tensor(name, gguf_files.encode(values, kind), raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -166,15 +167,20 @@ def test_a_file_without_a_layer_tensor_on_an_integer_grid_is_refused_naming_its_
         assert source_grid.refusal(tmp_path, str(one_on_a_grid), "int4", 4, 32) is None, kind
 
 
-def test_the_files_rows_are_found_whatever_their_order(mixed_gguf):
+def test_the_files_rows_are_found_whatever_their_order(tmp_path):
     """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
     by value. A matrix with rows of two grid layouts (4-bit blocks of 32, Q6_K's 6-bit blocks of 16) comes in runs of
-    columns; one with an unknown row has no grid."""
+    columns; one with an unknown row has no grid. (A file of the five tensors, as the mixed model's file has them.)"""
     from scripts.prepare.gguf_reader import open_gguf
 
-    grids = FileGrids(mixed_gguf)
+    path = small_gguf(tmp_path / "rows.gguf", {"blk.0.attn_k.weight": "Q4_0", "blk.0.attn_q.weight": "Q4_0",
+                                               "blk.1.attn_q.weight": "Q4_1", "blk.2.attn_q.weight": "Q4_K",
+                                               "blk.2.attn_v.weight": "Q6_K"},
+                      rows={"blk.0.attn_k.weight": 128, "blk.0.attn_q.weight": 256, "blk.1.attn_q.weight": 256,
+                            "blk.2.attn_q.weight": 256, "blk.2.attn_v.weight": 128})
+    grids = FileGrids(path)
     tensors = {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
-               for t in open_gguf(mixed_gguf).tensors if t.name.startswith("blk.")}
+               for t in open_gguf(path).tensors if t.name.startswith("blk.")}
     packed = np.concatenate([tensors["blk.0.attn_k.weight"][::-1], tensors["blk.1.attn_q.weight"]])
     match = grids.match(packed.T)
     assert match.grid is not None and dict(match.types) == {"Q4_0": 128, "Q4_1": 256}
