@@ -322,6 +322,7 @@ def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_gre
     assert lora_core.prefix.hit_tokens > hits
 
 
+@pytest.mark.parametrize("lora_case", ["fp32"], indirect=True)  # the prefix cache's keys: one variant is enough
 def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(lora_case, lora_core):
     reference, settings, adapters = lora_case.reference, lora_case.settings, lora_case.adapters()
     prompt = [lora_case.prompts[1]]

@@ -1,7 +1,7 @@
 """Scoring prompts (each prompt token's log-probability given the tokens before it: what evaluation harnesses ask) in
-the engine, on the real graphs: the fp32 export against transformers' own log-softmax; the exact fused graph (int4)
-bit for bit alone, in a batch of 32, with prefix caching on and off; the shared context of several choices scored
-once (the prefix cache's hit counter); max_tokens 0 scores and generates nothing."""
+the engine: the default model's fp32 export against transformers' own log-softmax; an exact fused graph (the engine
+tests' tiny model's fp32) bit for bit alone, in a batch of 32, with prefix caching on and off; the shared context of
+several choices scored once (the prefix cache's hit counter); max_tokens 0 scores and generates nothing."""
 
 from dataclasses import replace
 
@@ -52,8 +52,10 @@ def choice_prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def int4(model_dir):
-    return cpu_decoder(variant_folder(model_dir, "int4") / ONNX_FILE)
+def exact(tiny_dir):
+    """An exact fused graph (its slot cache, prefix caching): the engine tests' tiny model's fp32 variant
+    (tests/tiny_engine_model.py: what these tests check is the engine's, whatever the weights)."""
+    return cpu_decoder(variant_folder(tiny_dir, "fp32") / ONNX_FILE)
 
 
 def test_scores_are_the_log_softmax_of_the_position_before_each_token():
@@ -87,19 +89,19 @@ def test_top_scores_hold_the_most_likely_tokens_most_likely_first(decoder, choic
         assert (token == score.top_ids[0]) == (score.logprob == score.top_logprobs[0])
 
 
-def test_a_scored_prompt_also_generates_with_the_same_first_token(int4, choice_prompts):
+def test_a_scored_prompt_also_generates_with_the_same_first_token(exact, choice_prompts):
     plain = Sequence(prompt_ids=list(choice_prompts[0]), params=SamplingParams(max_tokens=4, end_ids=()))
     scored = scoring(choice_prompts[0], max_tokens=4)
-    run(EngineCore(int4, SLOTS), [plain, scored])
+    run(EngineCore(exact, SLOTS), [plain, scored])
     assert scored.output_ids == plain.output_ids and len(scored.output_ids) == 4
 
 
-def test_scores_on_the_exact_graph_are_the_same_bits_alone_in_a_batch_and_with_reuse(int4, choice_prompts, kv_prompts):
-    alone = [values(run(EngineCore(int4, SLOTS), [scoring(p)])[0]) for p in choice_prompts]
+def test_scores_on_the_exact_graph_are_the_same_bits_alone_in_a_batch_and_with_reuse(exact, choice_prompts, kv_prompts):
+    alone = [values(run(EngineCore(exact, SLOTS), [scoring(p)])[0]) for p in choice_prompts]
     others = [p for p in kv_prompts * 8][:32 - len(choice_prompts)]
-    batch = run(EngineCore(int4, SLOTS), [scoring(p) for p in choice_prompts + others])
+    batch = run(EngineCore(exact, SLOTS), [scoring(p) for p in choice_prompts + others])
     assert [values(s) for s in batch[:len(choice_prompts)]] == alone
-    core = EngineCore(int4, replace(SLOTS, enable_kv_cache_reuse=True))
+    core = EngineCore(exact, replace(SLOTS, enable_kv_cache_reuse=True))
     for round_ in range(2):  # the first fills the cache, the second is served from it (and the first choice whole)
         before = core.prefix.hit_tokens
         reused = [values(run(core, [scoring(p)])[0]) for p in choice_prompts]
@@ -107,17 +109,17 @@ def test_scores_on_the_exact_graph_are_the_same_bits_alone_in_a_batch_and_with_r
     assert core.prefix.hit_tokens - before >= len(choice_prompts) * 32
 
 
-def test_a_prefix_cached_by_a_request_that_did_not_score_is_computed_again_to_score(int4, choice_prompts):
-    alone = values(run(EngineCore(int4, SLOTS), [scoring(choice_prompts[1])])[0])
-    core = EngineCore(int4, replace(SLOTS, enable_kv_cache_reuse=True))
+def test_a_prefix_cached_by_a_request_that_did_not_score_is_computed_again_to_score(exact, choice_prompts):
+    alone = values(run(EngineCore(exact, SLOTS), [scoring(choice_prompts[1])])[0])
+    core = EngineCore(exact, replace(SLOTS, enable_kv_cache_reuse=True))
     run(core, [Sequence(prompt_ids=list(choice_prompts[0]), params=SamplingParams(max_tokens=2, end_ids=()))])
     assert core.prefix.match(choice_prompts[1]).blocks  # the shared context is cached, without scores
     assert values(run(core, [scoring(choice_prompts[1])])[0]) == alone
 
 
-def test_the_shared_context_of_the_choices_is_scored_once(int4, choice_prompts):
+def test_the_shared_context_of_the_choices_is_scored_once(exact, choice_prompts):
     """After the first choice, each other choice computes only what follows the cached blocks of the context."""
-    core = EngineCore(int4, replace(SLOTS, enable_kv_cache_reuse=True))
+    core = EngineCore(exact, replace(SLOTS, enable_kv_cache_reuse=True))
     computed = []
     for prompt in choice_prompts:
         core.add(scoring(prompt))
