@@ -284,6 +284,7 @@ def _server_source(item) -> str | None:
 # xdist's own order (most tests first) put the tiny models, the quick sweep and Ray last; the fast suite's long files
 # listed too keep its workers within a few seconds of each other. The other files follow in name order.
 LONGEST_FIRST = [
+    "test_guided_engine.py",  # 21, fast suite 33: the fast suite's longest by far (its other files: 12 s or less)
     "test_architectures.py",  # 100 (its seven architectures built in one process, then served one after another)
     "test_loadtests.py",  # 72
     "test_tiny_model.py",  # 67
@@ -303,7 +304,6 @@ LONGEST_FIRST = [
     "test_limits.py",  # 30
     "test_streaming.py",  # 28
     "test_runtime_server.py",  # 21
-    "test_guided_engine.py",  # 21, fast suite 19
     "test_run_batch.py",  # 18, fast suite 6
     "test_fast_variant.py",  # 16
 ]

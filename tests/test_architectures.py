@@ -5,7 +5,6 @@ random model exported, built as the default variant and served by a real tritons
 transformers (Gemma 2 in test_tiny_model.py)."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from scripts.bench.architectures import SERVED_PROMPTS, configs, make, outcome, served
 from tests.helpers import export_tinies
@@ -38,6 +37,8 @@ def test_each_cell_is_read_from_the_builds_own_lines():
 @pytest.fixture(scope="module")
 def auto_tokenizer(model_dir):
     """The served model's tokenizer, which every tiny model takes."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from scripts.bench import gguf_files
 from scripts.prepare import block_quantization, quantize, source_grid
@@ -111,6 +110,8 @@ def test_the_presets_give_each_tensor_the_type_llama_quantize_does():
 def tiny_llama_dir(model_dir, tmp_path_factory) -> Path:
     """A Hugging Face folder: a random Llama 256 wide (rows of whole K-quant super-blocks), a layer per type of the
     mixed file, SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # here: every worker collects every file
+
     folder = tmp_path_factory.mktemp("tiny_llama_256")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.save_pretrained(folder)
@@ -237,6 +238,8 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
         quantize.KEPT_FP32: {"F16": 5},
     }
     # The tokenizer and its chat template are the file's own.
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(mixed_int4, local_files_only=True)
     assert tokenizer.chat_template == TEMPLATE
 
@@ -244,6 +247,8 @@ def test_int4_of_a_mixed_file_keeps_each_4_bit_tensor_on_its_grid_exactly(mixed_
 @pytest.mark.server
 @pytest.mark.models
 def test_int4_of_a_mixed_file_is_served_token_exact(mixed_gguf, mixed_int4, servers):
+    from transformers import LlamaForCausalLM
+
     from python_backend.serving.tokenization import PromptTokenizer
     from scripts.clients.llm_client import GenerateClient
     from tests.helpers import hf_greedy

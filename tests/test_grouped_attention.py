@@ -4,13 +4,14 @@ import types
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import eager_attention_forward
-
-from scripts.prepare.grouped_attention import grouped_query_attention
 
 
 @pytest.mark.parametrize("q_len, past", [(1, 37), (6, 0), (4, 9)])
 def test_matches_eager_attention_with_padding_and_causal_mask(q_len, past):
+    from transformers.models.llama.modeling_llama import eager_attention_forward  # here: every worker collects it
+
+    from scripts.prepare.grouped_attention import grouped_query_attention
+
     torch.manual_seed(q_len)
     batch, heads, kv_heads, head_dim = 3, 9, 3, 16
     kv_len = past + q_len

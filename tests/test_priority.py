@@ -1,6 +1,6 @@
 """Request priority in the engine (lower runs earlier, default 0; batch jobs send a positive one): waiting
 sequences are admitted by priority, first come first served within one; background sequences never take the
-reserved rows nor make the queue refuse live ones."""
+reserved rows nor make the queue refuse live ones. On the engine tests' tiny model (tests/tiny_engine_model.py)."""
 
 import pytest
 
@@ -9,6 +9,11 @@ from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, NewTokens, StepOutput
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    return tiny_decoder
 
 
 def seq(priority=0, max_tokens=32):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.tokenization import PromptTokenizer
@@ -31,6 +30,8 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
     """A Hugging Face folder: 2-layer random Llama, SmolLM2's vocabulary, a tokenizer with BOS and no template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # here: every worker collects every file
+
     folder = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, bos_token=BOS, add_bos_token=True)
     tokenizer.chat_template = None
@@ -101,12 +102,16 @@ def tiny_server(tiny_export, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
 
 
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir, hf_tokenizer) -> dict[str, list[int]]:
     """transformers' greedy generate() on `tokenizer(text)` ids, BOS included: {prompt: new ids without NO_EOS}."""
+    from transformers import LlamaForCausalLM
+
     from scripts.eval.peft_reference import greedy_ids
 
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -226,6 +231,8 @@ def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
     """A Hugging Face folder: the architectures table's tiny random Gemma 2 (scripts/bench/architectures.py), its
     attention soft cap low enough to change the scores (5; ignored, the export's logits differ by about 3) and a
     sliding window of 32 tokens, shorter than the prompts with their answers, on one of its two layers."""
+    from transformers import AutoTokenizer
+
     from scripts.bench import architectures
 
     folder = tmp_path_factory.mktemp("tiny_gemma2")
@@ -243,6 +250,8 @@ def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_
     holds, the served greedy tokens are transformers' (past the window), and int4/fast, built on a fused graph whose
     sliding-window attention does not run on the slot cache, are refused before any work."""
     import json
+
+    from transformers import AutoTokenizer, Gemma2ForCausalLM
 
     export = tmp_path / "gemma2"
     export_tiny(tiny_gemma2_dir, export)
