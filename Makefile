@@ -148,8 +148,8 @@ serve: model
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
-# The engine tests' tiny model (tests/tiny_engine_model.py) in build/tiny, built again where its recipe or the
-# export's code changed (~20 s; ~5 s to find it up to date).
+# The engine tests' tiny model (tests/tiny_engine_model.py) in build/tiny, built again where it is out of date (its
+# recipe, its base, the export's or the variants' format): ~20 s, a second or two to find it up to date.
 tiny-model: model
 	$(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
 

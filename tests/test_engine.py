@@ -1,4 +1,4 @@
-"""The engine on the export of the engine tests' tiny model (tests/helpers.py: TINY_ENGINE_MODEL): the three
+"""The engine on the export of the engine tests' tiny model (tests/tiny_engine_model.py): the three
 strategies, joining mid-flight, cancellation, bounds."""
 
 import threading

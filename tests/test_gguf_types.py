@@ -171,14 +171,17 @@ def test_a_file_without_a_layer_tensor_on_an_integer_grid_is_refused_naming_its_
 def test_the_files_rows_are_found_whatever_their_order(tmp_path):
     """The loader reorders Llama's q and k rows and the fused graph packs q, k and v in one matrix: rows are matched
     by value. A matrix with rows of two grid layouts (4-bit blocks of 32, Q6_K's 6-bit blocks of 16) comes in runs of
-    columns; one with an unknown row has no grid. (A file of the five tensors, as the mixed model's file has them.)"""
+    columns; one with an unknown row has no grid. (A file of these tensors as the mixed model's file has them, and
+    two of other types beside them whose rows must not be found.)"""
     from scripts.prepare.gguf_reader import open_gguf
 
     path = small_gguf(tmp_path / "rows.gguf", {"blk.0.attn_k.weight": "Q4_0", "blk.0.attn_q.weight": "Q4_0",
                                                "blk.1.attn_q.weight": "Q4_1", "blk.2.attn_q.weight": "Q4_K",
-                                               "blk.2.attn_v.weight": "Q6_K"},
+                                               "blk.2.attn_v.weight": "Q6_K", "blk.1.ffn_up.weight": "Q8_0",
+                                               "blk.3.attn_q.weight": "Q5_K"},
                       rows={"blk.0.attn_k.weight": 128, "blk.0.attn_q.weight": 256, "blk.1.attn_q.weight": 256,
-                            "blk.2.attn_q.weight": 256, "blk.2.attn_v.weight": 128})
+                            "blk.2.attn_q.weight": 256, "blk.2.attn_v.weight": 128, "blk.1.ffn_up.weight": 256,
+                            "blk.3.attn_q.weight": 256})
     grids = FileGrids(path)
     tensors = {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
                for t in open_gguf(path).tensors if t.name.startswith("blk.")}

@@ -1,4 +1,4 @@
-"""The KV-cache batch on the tiny model's export (tests/helpers.py: TINY_ENGINE_MODEL): batching, dropping and
+"""The KV-cache batch on the tiny model's export (tests/tiny_engine_model.py): batching, dropping and
 joining must not change a greedy answer."""
 
 import numpy as np

@@ -1,7 +1,6 @@
-"""The slot KV cache (python_backend/engine/kv_slots.py) on the fused graph of the engine tests'
-tiny model (QUANT=fast; tests/helpers.py: TINY_ENGINE_MODEL): rows that join, leave,
-are cancelled or fail never change another row's greedy answer; freed slots go back to the system; the scheduler
-counts each row's own reservation."""
+"""The slot KV cache (python_backend/engine/kv_slots.py) on the fused graph of the engine tests' tiny model
+(QUANT=fast; tests/tiny_engine_model.py): rows that join, leave, are cancelled or fail never change another row's
+greedy answer; freed slots go back to the system; the scheduler counts each row's own reservation."""
 
 from dataclasses import replace
 from types import SimpleNamespace

@@ -232,7 +232,9 @@ def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list
     """Adapters made with PEFT on an export's base weights (random B: the answers change) and PEFT's greedy tokens
     for these prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv): (its folder, the
     prompts, name -> answers). Kept under build/ by a digest of what makes them (the script, the base's config and
-    the tiny model's recipe, the prompts, the specs): made once."""
+    the tiny model's weights, the prompts, the specs): made once."""
+    import hashlib
+
     from scripts.eval.peft_reference import EVAL_PYTHON, cached_run
     from tests.tiny_engine_model import RECIPE_FILE
 
@@ -242,7 +244,9 @@ def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list
     arguments = ["--base", str(hf_dir), "--max-tokens", str(MAX_TOKENS),
                  "--eos", ",".join(map(str, settings["eos_token_ids"])),
                  *(f"--adapter={name}:{spec}" for name, spec in ADAPTER_SPECS.items())]
-    made_of = [(hf_dir / name).read_text() for name in ("config.json", RECIPE_FILE) if (hf_dir / name).is_file()]
+    made_of = [(hf_dir / "config.json").read_text()]
+    if (hf_dir / RECIPE_FILE).is_file():  # the tiny model's weights are drawn here: they key its answers too
+        made_of.append(hashlib.sha256((hf_dir / "model.safetensors").read_bytes()).hexdigest())
     folder = cached_run(arguments, {"prompts": prompts}, made_of)
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 

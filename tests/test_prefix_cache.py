@@ -1,8 +1,8 @@
-"""Prefix caching on the fused graph of the engine tests' tiny model (QUANT=fp32, exact; tests/helpers.py:
-TINY_ENGINE_MODEL): greedy tokens identical with reuse on and off for
-shared prefixes of several lengths, a whole prompt cached, a batch and a cancelled neighbour; salts kept apart;
-the least recently used prefix evicted under a small budget and recomputed to the same tokens; the cache's token
-and byte counts, kept as entries come and go, always the sums over the entries it holds."""
+"""Prefix caching on the fused graph of the engine tests' tiny model (QUANT=fp32, exact; tests/tiny_engine_model.py):
+greedy tokens identical with reuse on and off for shared prefixes of several lengths, a whole prompt cached, a batch
+and a cancelled neighbour; salts kept apart; the least recently used prefix evicted under a small budget and
+recomputed to the same tokens; the cache's token and byte counts, kept as entries come and go, always the sums over
+the entries it holds."""
 
 from dataclasses import replace
 

@@ -1,7 +1,6 @@
 """The llm model's runtimes without a server: the device code path (torch tensors through onnxruntime's IO binding)
 is token-exact with the host path on the export and on the fused graph's slot cache (prefix caching on), and a
-runtime that cannot run here says what is missing: on the engine tests' tiny model (tests/helpers.py:
-TINY_ENGINE_MODEL)."""
+runtime that cannot run here says what is missing: on the engine tests' tiny model (tests/tiny_engine_model.py)."""
 
 from __future__ import annotations
 

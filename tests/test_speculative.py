@@ -1,5 +1,5 @@
 """Speculative decoding in the engine (python_backend/engine/speculative.py), on the engine tests' tiny model
-(tests/helpers.py: TINY_ENGINE_MODEL): fp32, the served default, checking the fast variant's drafts. A row decoding
+(tests/tiny_engine_model.py): fp32, the served default, checking the fast variant's drafts. A row decoding
 alone gets plain decoding's tokens, in fewer calls of the served model; its stop sequence, penalty and
 log-probabilities too; rows joining and leaving change nothing; a draft that fails costs nothing but the speed. And
 the llm model's speculative_draft parameter finds its folder (beside the real model's folders)."""

@@ -1,6 +1,6 @@
-"""scripts/bench/speculative_probe.py's two decoders, on the engine tests' tiny model (tests/helpers.py:
-TINY_ENGINE_MODEL): fp32 checking the fast variant's drafts gives fp32's own greedy answer token for token, in fewer
-fp32 calls than tokens."""
+"""scripts/bench/speculative_probe.py's two decoders, on the engine tests' tiny model (tests/tiny_engine_model.py):
+fp32 checking the fast variant's drafts gives fp32's own greedy answer token for token, in fewer fp32 calls than
+tokens."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """The engine tests' tiny model: its recipe and its build (`make tiny-model`, which `make test` runs first, or the
-`tiny_dir` fixture of tests/conftest.py where it is missing).
+`tiny_dir` fixture of tests/conftest.py where it is missing or out of date).
 
 The engine's own logic (scheduling, batching, the slot cache, prefix caching, speculative decoding, the device path)
 is tested on a tiny random Llama rather than the real model: the properties those tests check (a batch gives each row
@@ -14,6 +14,7 @@ transformers elsewhere (test_server, test_prompt_scores, the server tests)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import shutil
 import sys
@@ -21,52 +22,59 @@ from pathlib import Path
 
 from python_backend.model_files import SETTINGS_FILE
 from scripts.paths import BUILD_DIR, EXPORT_DIR
-from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK
-from scripts.prepare.quantize import variant_dir
+from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, source_fingerprint, up_to_date
+from scripts.prepare.quantize import RECIPES, fingerprint, variant_dir
 from tests.helpers import export_tiny
 
 RECIPE = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 6,
           "num_key_value_heads": 3, "head_dim": 64, "initializer_range": 0.2, "seed": 0}
+VERSION = 1  # bump when _source writes the folder differently
 VARIANTS = ("fp32", "fast")
 ROOT = BUILD_DIR / "tiny"
 RECIPE_FILE = "tiny_recipe.json"
 
 
-def tiny_engine_model(model_dir: Path, root: Path = ROOT, check: bool = False) -> Path:
-    """The export of the tiny model in root/model (VARIANTS beside it), built where it is missing; with check, also
-    built again where the recipe or the export's or the variants' code changed (their own up-to-date marks: ~5 s to
-    find all up to date). Processes wait for each other's build on a lock (pytest's workers)."""
+def tiny_engine_model(model_dir: Path, root: Path = ROOT) -> Path:
+    """The export of the tiny model in root/model (VARIANTS beside it), built where it is missing or out of date:
+    its recipe, the base whose tokenizer and config it takes (model_dir's), the export's format and the variants'
+    (the marks `make model` and `make variants` keep), all read without loading a model. Processes wait for each
+    other's build on a lock (pytest's workers)."""
     root.mkdir(parents=True, exist_ok=True)
     export = root / "model"
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        source, written = _source(model_dir, root / "hf")
-        complete = (export / EXPORT_MARK).is_file() and all(
-            (variant_dir(export, v) / VARIANT_MARK).is_file() for v in VARIANTS)
-        if check or written or not complete:
+        source = _source(model_dir, root / "hf")
+        if not _up_to_date(source, export):
             export_tiny(source, export, VARIANTS)
     return export
 
 
-def _source(model_dir: Path, folder: Path) -> tuple[Path, bool]:
-    """The tiny model's Hugging Face folder, and whether it was written now: only where its recipe changed (the
-    export's mark holds the folder's time, so a folder written again is exported again)."""
-    recipe = json.dumps(RECIPE, sort_keys=True)
+def _up_to_date(source: Path, export: Path) -> bool:
+    return up_to_date(export, EXPORT_MARK, source_fingerprint(source)) and all(
+        up_to_date(variant_dir(export, v), VARIANT_MARK, fingerprint(export, RECIPES[v])) for v in VARIANTS)
+
+
+def _source(model_dir: Path, folder: Path) -> Path:
+    """The tiny model's Hugging Face folder, written again only when its recipe or its base changed (the export's
+    mark holds the folder's time, so a folder written again is exported again)."""
+    settings = json.loads((model_dir / SETTINGS_FILE).read_text())
+    base = [path for path in (Path(settings["hf_dir"]) / "config.json", model_dir / "tokenizer.json") if path.is_file()]
+    recipe = json.dumps({**RECIPE, "version": VERSION,
+                         "base": [hashlib.sha256(path.read_bytes()).hexdigest() for path in base]}, sort_keys=True)
     if (folder / RECIPE_FILE).is_file() and (folder / RECIPE_FILE).read_text() == recipe:
-        return folder, False
+        return folder
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     shutil.rmtree(folder, ignore_errors=True)
-    settings = json.loads((model_dir / SETTINGS_FILE).read_text())
     AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(folder)
     config = LlamaConfig.from_pretrained(settings["hf_dir"])
     config.update({k: v for k, v in RECIPE.items() if k != "seed"})
     torch.manual_seed(RECIPE["seed"])
     LlamaForCausalLM(config).save_pretrained(folder)
     (folder / RECIPE_FILE).write_text(recipe)
-    return folder, True
+    return folder
 
 
-if __name__ == "__main__":  # make tiny-model: [the real export's folder, for SmolLM2's tokenizer]
-    print(tiny_engine_model(Path(sys.argv[1]) if len(sys.argv) > 1 else EXPORT_DIR, check=True))
+if __name__ == "__main__":  # make tiny-model: [the real export's folder, for SmolLM2's tokenizer and config]
+    print(tiny_engine_model(Path(sys.argv[1]) if len(sys.argv) > 1 else EXPORT_DIR))

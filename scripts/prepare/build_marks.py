@@ -11,6 +11,7 @@ from pathlib import Path
 
 EXPORT_MARK = "export_complete.json"
 VARIANT_MARK = "quantize_complete.json"
+EXPORT_FORMAT = 5  # bump when the exported graph changes, so that `make model` exports again
 
 
 def up_to_date(output: Path, mark: str, fingerprint: dict) -> bool:
@@ -27,3 +28,10 @@ def start_fresh(output: Path) -> None:
 
 def mark_complete(output: Path, mark: str, fingerprint: dict) -> None:
     (output / mark).write_text(json.dumps(fingerprint))
+
+
+def source_fingerprint(source: Path) -> dict:
+    """What an export's mark holds: its source file or folder (path, size, time) and the export's format."""
+    stat = source.stat()
+    return {"source": str(source.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime),
+            "export_format": EXPORT_FORMAT}

@@ -31,9 +31,8 @@ from python_backend.runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from python_backend.serving.tokenization import PromptTokenizer  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
 from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
-from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
+from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, source_fingerprint, start_fresh, up_to_date  # noqa: E402
 
-EXPORT_FORMAT = 5  # bump when the exported graph changes, so that `make model` exports again
 DEFAULT_OUTPUT = EXPORT_DIR
 PARITY_PROMPTS = [
     "What is the capital of France?",
@@ -69,12 +68,6 @@ def recorded_source(output: Path) -> Path | None:
         return None
     source = Path(json.loads(mark.read_text()).get("source", ""))
     return source if source.is_absolute() and source.exists() else None
-
-
-def source_fingerprint(source: Path) -> dict:
-    stat = source.stat()
-    return {"source": str(source.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime),
-            "export_format": EXPORT_FORMAT}
 
 
 def refusal(source: Path) -> str | None:
