@@ -50,7 +50,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_dir(model_dir) -> Path:
     """The export of the engine tests' tiny model (tests/tiny_engine_model.py says why), its fp32 and fast variants
-    beside it in build/tiny; built here where missing (`make test` checks it is up to date first)."""
+    beside it in build/tiny; built here where missing or out of date."""
     return tiny_engine_model(model_dir)
 
 

@@ -339,7 +339,7 @@ def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(lora_case
     assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
     assert lora_core.prefix.hit_tokens > hits
     # the same name loaded again is another adapter: its prefixes are its own
-    again = {"sql": lora_case.adapters()["sql"]}
+    again = {"sql": read_peft(lora_case.folder / "sql", "sql", lora_case.base)}
     hits = lora_core.prefix.hit_tokens
     assert run(lora_core, sequences(prompt, again, settings, ["sql"])) == [reference["sql"][1]]
     assert lora_core.prefix.hit_tokens == hits

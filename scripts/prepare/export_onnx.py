@@ -31,7 +31,8 @@ from python_backend.runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from python_backend.serving.tokenization import PromptTokenizer  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
 from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
-from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, source_fingerprint, start_fresh, up_to_date  # noqa: E402
+from scripts.prepare.build_marks import (EXPORT_MARK, mark_complete, source_fingerprint, start_fresh,  # noqa: E402
+                                         up_to_date)
 
 DEFAULT_OUTPUT = EXPORT_DIR
 PARITY_PROMPTS = [
