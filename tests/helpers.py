@@ -256,10 +256,10 @@ _BUILD_ON_4_PROMPTS = """import json, sys, traceback
 from scripts.prepare import export_onnx, quantize, variant_parity
 all_prompts = variant_parity.load_test_prompts
 variant_parity.load_test_prompts = lambda: all_prompts()[:4]
-mark, builds, variants = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+mark, builds, export_args, variants = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4:]
 for source, output in builds:
     try:
-        code = export_onnx.main(["--source", source, "--output", output])
+        code = export_onnx.main(["--source", source, "--output", output, *export_args])
         for variant in variants:
             code = code or quantize.main(["--quant", variant, "--source", output])
     except SystemExit as stop:  # a refusal on the command line
@@ -271,17 +271,19 @@ for source, output in builds:
 """
 
 
-def export_tinies(builds: list[tuple[Path, Path]], variants: tuple[str, ...] = ()) -> dict[Path, str | None]:
+def export_tinies(builds: list[tuple[Path, Path]], variants: tuple[str, ...] = (),
+                  export_args: tuple[str, ...] = ()) -> dict[Path, str | None]:
     """The export of each tiny model (a Hugging Face folder or a GGUF file: source) into its output, run as `make
-    model` runs it, and each of these variants built from it beside it (`<output>-<variant>`), as `make variants`
-    builds them, all in one process: output -> None when its build passed, else the end of its output."""
+    model` runs it (with export_args added), and each of these variants built from it beside it
+    (`<output>-<variant>`), as `make variants` builds them, all in one process: output -> None when its build passed,
+    else the end of its output."""
     import subprocess
     import sys
 
     from scripts.paths import PROJECT_ROOT
 
     command = [sys.executable, "-c", _BUILD_ON_4_PROMPTS, BUILT_MARK,
-               json.dumps([[str(s), str(o)] for s, o in builds]), *variants]
+               json.dumps([[str(s), str(o)] for s, o in builds]), json.dumps(list(export_args)), *variants]
     done = subprocess.run(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     results, lines = {}, []
@@ -297,9 +299,9 @@ def export_tinies(builds: list[tuple[Path, Path]], variants: tuple[str, ...] = (
     return results
 
 
-def export_tiny(source, output, variants: tuple[str, ...] = ()) -> None:
+def export_tiny(source, output, variants: tuple[str, ...] = (), export_args: tuple[str, ...] = ()) -> None:
     """export_tinies of one model, failing with its output when its build fails."""
-    error = export_tinies([(source, output)], variants)[Path(output)]
+    error = export_tinies([(source, output)], variants, export_args)[Path(output)]
     assert error is None, error
 
 

@@ -226,6 +226,24 @@ def test_adapters_memory_is_kept_from_the_kv_budget(tmp_path, rng):
 
 ADAPTER_SPECS = {"sql": "8:16:q_proj,v_proj", "chat": "16:16:all:rslora"}  # PEFT's Llama default, and every projection
 MAX_TOKENS = 16
+# PEFT's top two logits closer than this: a near tie, where another runtime's rounding may choose the runner-up. The
+# tiny model's ties are close (8 of its 12 answers here pass one under 0.006 apart) and its logits moved 3.7e-3
+# against transformers on CI's machine (tests/tiny_engine_model.py).
+NEAR_TIE = 0.02
+
+
+def leaves_peft(answer: list[int], expected: list[int], runners_up: list, eos: list[int]) -> str | None:
+    """None when the engine's answer is PEFT's, or leaves it only at a near tie, for PEFT's runner-up (the two are
+    other answers from there on); else where and how it left."""
+    n = next((i for i, (a, b) in enumerate(zip(answer, expected)) if a != b), min(len(answer), len(expected)))
+    if n == len(answer) == len(expected):
+        return None
+    chosen = answer[n] if n < len(answer) else None  # None: the engine ended
+    runner_up, gap = runners_up[n]
+    if gap < NEAR_TIE and (chosen == runner_up or (chosen is None and runner_up in eos)):
+        return None
+    return (f"token {n}: the engine's {'end' if chosen is None else chosen}, PEFT's "
+            f"{expected[n] if n < len(expected) else 'end'} (runner-up {runner_up}, {gap:.3g} below)")
 
 
 def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list[list[int]], dict]:
@@ -251,6 +269,18 @@ def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 
 
+def test_an_answer_may_leave_peft_s_only_at_a_near_tie_and_only_for_its_runner_up():
+    runners_up = [(5, 0.5), (7, 0.001), (2, 0.01)]  # each step's runner-up and its distance below PEFT's token
+    assert leaves_peft([1, 2, 3], [1, 2, 3], runners_up, eos=[0]) is None
+    assert leaves_peft([1, 7, 9], [1, 2, 3], runners_up, eos=[0]) is None  # step 1 is a near tie, 7 its runner-up
+    assert leaves_peft([1, 8, 3], [1, 2, 3], runners_up, eos=[0]) == "token 1: the engine's 8, PEFT's 2 " \
+                                                                       "(runner-up 7, 0.001 below)"
+    assert leaves_peft([5, 2, 3], [1, 2, 3], runners_up, eos=[0]) is not None  # the runner-up, but 0.5 below
+    assert leaves_peft([1, 2], [1, 2, 3], runners_up, eos=[2]) is None  # ended where an end token is the runner-up
+    assert leaves_peft([1, 2], [1, 2, 3], runners_up, eos=[0]) is not None
+    assert leaves_peft([1, 2, 3, 4], [1, 2, 3], [*runners_up, (4, 0.3)], eos=[0]) is not None  # PEFT ended, clearly
+
+
 @pytest.fixture(scope="module")
 def peft_run(settings, kv_prompts):
     """PEFT's adapters and answers on the served model (four chat prompts)."""
@@ -263,6 +293,7 @@ class LoraCase:
     def __init__(self, export: Path, variant: str, prompts: list[list[int]]):
         from python_backend.model_files import ADAPTER_ONNX_FILE, SETTINGS_FILE
         from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+        from scripts.eval.peft_reference import RUNNERS_UP_FILE
         from tests.helpers import variant_folder
 
         self.settings = json.loads((export / SETTINGS_FILE).read_text())
@@ -271,6 +302,15 @@ class LoraCase:
         assert len(self.decoder.lora_targets) == 5 * config["num_hidden_layers"]
         self.base = BaseShapes.from_config(config)
         self.folder, self.prompts, self.reference = peft_reference(self.settings, prompts)
+        self.runners_up = json.loads((self.folder / RUNNERS_UP_FILE).read_text())
+
+    def check(self, answers: list[list[int]], keys: list[tuple[str, int]]) -> None:
+        """Each answer is PEFT's for its (adapter name, prompt index), but for a departure at a near tie."""
+        eos = self.settings["eos_token_ids"]
+        departures = {key: why for answer, key in zip(answers, keys, strict=True)
+                      if (why := leaves_peft(answer, self.reference[key[0]][key[1]], self.runners_up[key[0]][key[1]],
+                                             eos))}
+        assert not departures, departures
 
     def adapters(self) -> dict:
         """Each adapter read from its folder (a fresh load: another adapter for the prefix cache)."""
@@ -318,30 +358,32 @@ def test_rows_with_peft_adapters_and_the_base_mixed_in_one_batch_give_peft_s_gre
         lora_case.adapters()
     assert all(reference[name] != reference[""] for name in ADAPTER_SPECS), "an adapter that changes nothing"
     names = ["", "sql", "chat"]
-    expected = [answer for name in names for answer in reference[name]]
-    assert run(lora_core, sequences(prompts, adapters, settings, names)) == expected  # 12 rows in one batch
+    keys = [(name, i) for name in names for i in range(len(prompts))]
+    answers = run(lora_core, sequences(prompts, adapters, settings, names))  # 12 rows in one batch
+    lora_case.check(answers, keys)
     hits = lora_core.prefix.hit_tokens
     again = sequences(prompts, adapters, settings, list(reversed(names)))  # from the prefix cache, other rows
-    assert run(lora_core, again) == [answer for name in reversed(names) for answer in reference[name]]
+    assert run(lora_core, again) == [answers[keys.index((name, i))] for name in reversed(names)
+                                     for i in range(len(prompts))]
     assert lora_core.prefix.hit_tokens > hits
 
 
 @pytest.mark.parametrize("lora_case", ["fp32"], indirect=True)  # the prefix cache's keys: one variant is enough
 def test_a_prefix_cached_under_one_adapter_is_never_used_under_another(lora_case, lora_core):
-    reference, settings, adapters = lora_case.reference, lora_case.settings, lora_case.adapters()
+    settings, adapters = lora_case.settings, lora_case.adapters()
     prompt = [lora_case.prompts[1]]
-    assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
+    lora_case.check(run(lora_core, sequences(prompt, adapters, settings, ["sql"])), [("sql", 1)])
     for name in ("chat", ""):  # the same tokens under another adapter, and the base: nothing found
         hits = lora_core.prefix.hit_tokens
-        assert run(lora_core, sequences(prompt, adapters, settings, [name])) == [reference[name][1]]
+        lora_case.check(run(lora_core, sequences(prompt, adapters, settings, [name])), [(name, 1)])
         assert lora_core.prefix.hit_tokens == hits, name
     hits = lora_core.prefix.hit_tokens
-    assert run(lora_core, sequences(prompt, adapters, settings, ["sql"])) == [reference["sql"][1]]
+    lora_case.check(run(lora_core, sequences(prompt, adapters, settings, ["sql"])), [("sql", 1)])
     assert lora_core.prefix.hit_tokens > hits
     # the same name loaded again is another adapter: its prefixes are its own
     again = {"sql": read_peft(lora_case.folder / "sql", "sql", lora_case.base)}
     hits = lora_core.prefix.hit_tokens
-    assert run(lora_core, sequences(prompt, again, settings, ["sql"])) == [reference["sql"][1]]
+    lora_case.check(run(lora_core, sequences(prompt, again, settings, ["sql"])), [("sql", 1)])
     assert lora_core.prefix.hit_tokens == hits
 
 
@@ -352,8 +394,7 @@ def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait
     from python_backend.engine.scheduler import SchedulerConfig
     from python_backend.engine.sequence import Sequence
 
-    prompts, reference, settings, adapters = lora_case.prompts, lora_case.reference, lora_case.settings, \
-        lora_case.adapters()
+    prompts, settings, adapters = lora_case.prompts, lora_case.settings, lora_case.adapters()
     core = EngineCore(lora_case.decoder, SchedulerConfig(max_batch_size=16, kv_layout="slots",
                                                          max_context_length=512, kv_budget_tokens=16384,
                                                          max_adapters_per_step=1))
@@ -369,7 +410,7 @@ def test_a_step_runs_at_most_max_adapters_per_step_and_requests_for_another_wait
         if len(in_step) == 1:  # the base's request went ahead; the sql one behind chat's waits (no starving)
             assert seqs[2] in core.running + core.prefilling and list(core.waiting) == [seqs[1], seqs[3]]
     assert max(len(names) for names in in_step) == 1 and {"sql"} in in_step and {"chat"} in in_step
-    assert [seq.output_ids for seq in seqs] == [reference[name][i] for name, i in order]
+    lora_case.check([seq.output_ids for seq in seqs], order)
 
 
 @pytest.mark.server  # slow in a clean clone (15-35 s: PEFT's own answers, in the eval venv): out of the fast suite

@@ -10,7 +10,8 @@ attention and MLP projections) is a PEFT LoRA on the base with PEFT's own initia
 (seeded; PEFT starts B at zero, which would change nothing), saved with ``save_pretrained`` into OUTPUT/NAME. With
 ``--prompts`` (a JSON list of token-id lists), OUTPUT/reference.json maps each adapter's name (and ``""``: the base)
 to the greedy new tokens of each prompt, from PEFT's model in fp32 (transformers' ``generate``, EOS kept out; with
-``--no-end`` exactly ``--max-tokens`` each, prompts batched). ``--load NAME=FOLDER`` answers with an existing PEFT
+``--no-end`` exactly ``--max-tokens`` each, prompts batched; without it, OUTPUT/runners_up.json holds each step's
+runner-up token and its distance: the near ties). ``--load NAME=FOLDER`` answers with an existing PEFT
 folder instead of making one; ``--logit-prompts`` adds each prompt's last logits (OUTPUT/logits.npz): what
 scripts/eval/lora_parity.py judges a variant's adapters by.
 """
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EVAL_PYTHON = ROOT / ".venv-eval" / "bin" / "python"  # where PEFT is (make eval-venv)
 REFERENCE_DIR = ROOT / "build" / "peft-reference"
 DONE_FILE = "done"
+RUNNERS_UP_FILE = "runners_up.json"  # name -> each prompt's [runner-up token, its logit's distance] at each step
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 B_STD = 0.05  # large enough that greedy answers change on SmolLM2-135M (tests/test_lora.py checks that they do)
 
@@ -82,15 +84,25 @@ def make_adapter(base_dir: Path, spec: dict, output: Path, seed: int):
 def greedy_ids(model, ids: list[int], max_tokens: int, eos: list[int], **generate_args) -> list[int]:
     """transformers' greedy generate() from these prompt ids (a PEFT model's too): the new token ids, up to the
     first end token (tests/helpers.py's transformers reference is this)."""
+    return greedy_with_runners_up(model, ids, max_tokens, eos, **generate_args)[0]
+
+
+def greedy_with_runners_up(model, ids: list[int], max_tokens: int, eos: list[int],
+                           **generate_args) -> tuple[list[int], list[tuple[int, float]]]:
+    """greedy_ids, and at each step (the one that chose an end token too) the runner-up token and how far its logit
+    is below the chosen one's: where another runtime's rounding may choose otherwise (a near tie)."""
     import torch
 
     generate_args.setdefault("eos_token_id", eos)  # these end it, not only the model's own
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], **generate_args)
-    new = out[0, len(ids):].tolist()
+                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos[0], output_logits=True,
+                             return_dict_in_generate=True, **generate_args)
+    new = out.sequences[0, len(ids):].tolist()
     stops = [i for i, t in enumerate(new) if t in eos]
-    return new[: stops[0]] if stops else new
+    top = [step[0].float().topk(2) for step in out.logits]
+    runners_up = [(int(t.indices[1]), float(t.values[0] - t.values[1])) for t in top]
+    return (new[: stops[0]] if stops else new), runners_up[: stops[0] + 1 if stops else len(new)]
 
 
 def load_adapter(base_dir: Path, folder: Path):
@@ -140,8 +152,8 @@ def pytorch_greedy(model, prompts: list[list[int]], tokens: int, batch_size: int
     return answers
 
 
-def greedy(model, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:
-    return [greedy_ids(model, ids, max_tokens, eos) for ids in prompts]
+def greedy(model, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[tuple[list[int], list]]:
+    return [greedy_with_runners_up(model, ids, max_tokens, eos) for ids in prompts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     eos = [int(t) for t in args.eos.split(",")] if args.eos else \
         [config["eos_token_id"]] if isinstance(config["eos_token_id"], int) else list(config["eos_token_id"])
     logit_prompts = json.loads(args.logit_prompts.read_text()) if args.logit_prompts else []
-    reference, logits = {}, {}
+    reference, runners_up, logits = {}, {}, {}
 
     def answer(name, model):
-        if prompts:
-            reference[name] = pytorch_greedy(model, prompts, args.max_tokens) if args.no_end else \
-                greedy(model, prompts, args.max_tokens, eos)
+        if prompts and args.no_end:
+            reference[name] = pytorch_greedy(model, prompts, args.max_tokens)
+        elif prompts:
+            reference[name], runners_up[name] = map(list, zip(*greedy(model, prompts, args.max_tokens, eos)))
         if logit_prompts:
             logits[name or "base"] = last_logits(model, logit_prompts)
 
@@ -190,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         answer(name, load_adapter(args.base, Path(folder)))
     if prompts:
         (args.output / "reference.json").write_text(json.dumps(reference))
+    if runners_up:
+        (args.output / RUNNERS_UP_FILE).write_text(json.dumps(runners_up))
     if logit_prompts:
         import numpy as np
 

@@ -114,18 +114,25 @@ def logit_reference(fp32_dir: Path, load_model, prompts: list[list[int]], decode
     return reference
 
 
-def max_logit_difference(decoder, reference: LogitReference) -> tuple[float, float]:
-    """(max |Δ logits|, max |logit|) of the decoder, through the engine's KV cache (its own layout), against the
-    reference: prefill, then each decode step fed the reference's tokens."""
+def logit_differences(decoder, reference: LogitReference) -> np.ndarray:
+    """max |Δ| of each prompt's last-position logits [steps, prompts] of the decoder, through the engine's KV cache
+    (its own layout), against the reference: the prefill (step 0), then each decode step fed the reference's
+    tokens."""
     prompts = reference.prompts
     config = SchedulerConfig(max_batch_size=len(prompts), kv_layout=getattr(decoder, "kv_layout", "padded"),
                              max_context_length=max(len(p) for p in prompts) + len(reference.fed) + 1)
     cache = open_kv_cache(decoder, config)
     logits, _, _ = cache.prefill(prompts, [len(p) + len(reference.fed) + 1 for p in prompts])
-    differences = [np.abs(logits - reference.logits[0]).max()]
+    differences = [np.abs(logits - reference.logits[0]).max(axis=-1)]
     for tokens, expected in zip(reference.fed, reference.logits[1:]):
-        differences.append(np.abs(cache.step(tokens) - expected).max())
-    return float(max(differences)), float(max(np.abs(step).max() for step in reference.logits))
+        differences.append(np.abs(cache.step(tokens) - expected).max(axis=-1))
+    return np.stack(differences)
+
+
+def max_logit_difference(decoder, reference: LogitReference) -> tuple[float, float]:
+    """(max |Δ logits|, max |logit|) of the decoder against the reference (logit_differences)."""
+    return (float(logit_differences(decoder, reference).max()),
+            float(max(np.abs(step).max() for step in reference.logits)))
 
 
 def reference_greedy(fp32_dir: Path, load_model, prompts: list[list[int]]) -> list[list[int]]:
