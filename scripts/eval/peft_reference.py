@@ -90,7 +90,8 @@ def greedy_ids(model, ids: list[int], max_tokens: int, eos: list[int], **generat
 def greedy_with_runners_up(model, ids: list[int], max_tokens: int, eos: list[int],
                            **generate_args) -> tuple[list[int], list[tuple[int, float]]]:
     """greedy_ids, and at each step (the one that chose an end token too) the runner-up token and how far its logit
-    is below the chosen one's: where another runtime's rounding may choose otherwise (a near tie)."""
+    is below the chosen one's (the model's logits, before any logits processor): where another runtime's rounding
+    may choose otherwise (a near tie)."""
     import torch
 
     generate_args.setdefault("eos_token_id", eos)  # these end it, not only the model's own
