@@ -232,20 +232,6 @@ MAX_TOKENS = 16
 NEAR_TIE = 0.02
 
 
-def leaves_peft(answer: list[int], expected: list[int], runners_up: list, eos: list[int]) -> str | None:
-    """None when the engine's answer is PEFT's, or leaves it only at a near tie, for PEFT's runner-up (the two are
-    other answers from there on); else where and how it left."""
-    n = next((i for i, (a, b) in enumerate(zip(answer, expected)) if a != b), min(len(answer), len(expected)))
-    if n == len(answer) == len(expected):
-        return None
-    chosen = answer[n] if n < len(answer) else None  # None: the engine ended
-    runner_up, gap = runners_up[n]
-    if gap < NEAR_TIE and (chosen == runner_up or (chosen is None and runner_up in eos)):
-        return None
-    return (f"token {n}: the engine's {'end' if chosen is None else chosen}, PEFT's "
-            f"{expected[n] if n < len(expected) else 'end'} (runner-up {runner_up}, {gap:.3g} below)")
-
-
 def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list[list[int]], dict]:
     """Adapters made with PEFT on an export's base weights (random B: the answers change) and PEFT's greedy tokens
     for these prompts with each and with none (scripts/eval/peft_reference.py, in the eval venv): (its folder, the
@@ -269,16 +255,19 @@ def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list
     return folder, prompts, json.loads((folder / "reference.json").read_text())
 
 
-def test_an_answer_may_leave_peft_s_only_at_a_near_tie_and_only_for_its_runner_up():
-    runners_up = [(5, 0.5), (7, 0.001), (2, 0.01)]  # each step's runner-up and its distance below PEFT's token
-    assert leaves_peft([1, 2, 3], [1, 2, 3], runners_up, eos=[0]) is None
-    assert leaves_peft([1, 7, 9], [1, 2, 3], runners_up, eos=[0]) is None  # step 1 is a near tie, 7 its runner-up
-    assert leaves_peft([1, 8, 3], [1, 2, 3], runners_up, eos=[0]) == "token 1: the engine's 8, PEFT's 2 " \
-                                                                       "(runner-up 7, 0.001 below)"
-    assert leaves_peft([5, 2, 3], [1, 2, 3], runners_up, eos=[0]) is not None  # the runner-up, but 0.5 below
-    assert leaves_peft([1, 2], [1, 2, 3], runners_up, eos=[2]) is None  # ended where an end token is the runner-up
-    assert leaves_peft([1, 2], [1, 2, 3], runners_up, eos=[0]) is not None
-    assert leaves_peft([1, 2, 3, 4], [1, 2, 3], [*runners_up, (4, 0.3)], eos=[0]) is not None  # PEFT ended, clearly
+def test_an_answer_may_leave_the_reference_only_at_a_near_tie_and_only_for_its_runner_up():
+    from scripts.eval.peft_reference import departure
+
+    runners_up = [(5, 0.5), (7, 0.001), (2, 0.01)]  # each step's runner-up and its distance below the chosen token
+    assert departure([1, 2, 3], [1, 2, 3], runners_up, [0], NEAR_TIE) is None
+    assert departure([1, 7, 9], [1, 2, 3], runners_up, [0], NEAR_TIE) is None  # step 1: a near tie, 7 its runner-up
+    assert departure([1, 8, 3], [1, 2, 3], runners_up, [0], NEAR_TIE) == "token 1: 8 against 2 (runner-up 7, " \
+                                                                         "0.001 below)"
+    assert departure([1, 7, 9], [1, 2, 3], runners_up, [0], 0.0005) is not None  # not near enough
+    assert departure([5, 2, 3], [1, 2, 3], runners_up, [0], NEAR_TIE) is not None  # the runner-up, but 0.5 below
+    assert departure([1, 2], [1, 2, 3], runners_up, [2], NEAR_TIE) is None  # ended where an end token is runner-up
+    assert departure([1, 2], [1, 2, 3], runners_up, [0], NEAR_TIE) is not None
+    assert departure([1, 2, 3, 4], [1, 2, 3], [*runners_up, (4, 0.3)], [0], NEAR_TIE) is not None  # it ended, clearly
 
 
 @pytest.fixture(scope="module")
@@ -306,10 +295,12 @@ class LoraCase:
 
     def check(self, answers: list[list[int]], keys: list[tuple[str, int]]) -> None:
         """Each answer is PEFT's for its (adapter name, prompt index), but for a departure at a near tie."""
+        from scripts.eval.peft_reference import departure
+
         eos = self.settings["eos_token_ids"]
         departures = {key: why for answer, key in zip(answers, keys, strict=True)
-                      if (why := leaves_peft(answer, self.reference[key[0]][key[1]], self.runners_up[key[0]][key[1]],
-                                             eos))}
+                      if (why := departure(answer, self.reference[key[0]][key[1]], self.runners_up[key[0]][key[1]],
+                                           eos, NEAR_TIE))}
         assert not departures, departures
 
     def adapters(self) -> dict:

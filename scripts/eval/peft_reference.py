@@ -106,6 +106,21 @@ def greedy_with_runners_up(model, ids: list[int], max_tokens: int, eos: list[int
     return (new[: stops[0]] if stops else new), runners_up[: stops[0] + 1 if stops else len(new)]
 
 
+def departure(answer: list[int], expected: list[int], runners_up: list, eos: list[int], near_tie: float) -> str | None:
+    """None when a greedy answer is the expected one (with its runners-up: greedy_with_runners_up), or leaves it only
+    at a near tie (the top two logits under near_tie apart) and only for the runner-up: there another runtime's
+    rounding may choose it, and the two are other answers from then on. Else where and how it left."""
+    n = next((i for i, (a, b) in enumerate(zip(answer, expected)) if a != b), min(len(answer), len(expected)))
+    if n == len(answer) == len(expected):
+        return None
+    chosen = answer[n] if n < len(answer) else None  # None: the answer ended there
+    runner_up, gap = runners_up[n]
+    if gap < near_tie and (chosen == runner_up or (chosen is None and runner_up in eos)):
+        return None
+    return (f"token {n}: {'end' if chosen is None else chosen} against {expected[n] if n < len(expected) else 'end'} "
+            f"(runner-up {runner_up}, {gap:.3g} below)")
+
+
 def load_adapter(base_dir: Path, folder: Path):
     import torch
     from peft import PeftModel

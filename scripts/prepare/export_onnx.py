@@ -30,6 +30,7 @@ from python_backend.engine.sequence import Sequence  # noqa: E402
 from python_backend.model_files import ONNX_FILE, PARITY_REPORT_FILE, SETTINGS_FILE  # noqa: E402
 from python_backend.runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from python_backend.serving.tokenization import PromptTokenizer  # noqa: E402
+from scripts.eval.peft_reference import departure, greedy_with_runners_up  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
 from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
 from scripts.prepare.build_marks import (EXPORT_MARK, mark_complete, source_fingerprint, start_fresh,  # noqa: E402
@@ -230,18 +231,13 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int], tolerance: 
     generate(decoder, sequences)
     greedy = []
     for prompt, seq in zip(prompts, sequences):
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                max_new_tokens=GREEDY_TOKENS,
-                do_sample=False,
-                pad_token_id=eos_ids[0],
-            )[0, len(prompt):].tolist()
-        stops = [i for i, t in enumerate(generated) if t in eos_ids]
-        expected = generated[: stops[0]] if stops else generated
+        expected, runners_up = greedy_with_runners_up(model, prompt, GREEDY_TOKENS, eos_ids)
+        # two logits closer than twice the tolerance may swap places within it: the export may take the other
+        left = departure(seq.output_ids, expected, runners_up, eos_ids, 2 * tolerance)
         greedy.append({"prompt_tokens": len(prompt), "onnx": seq.output_ids, "transformers": expected,
-                       "identical": seq.output_ids == expected, "text": tokenizer.decode(seq.output_ids)})
+                       "identical": seq.output_ids == expected,
+                       "left_at_a_near_tie": seq.output_ids != expected and left is None,
+                       "text": tokenizer.decode(seq.output_ids), **({"departure": left} if left else {})})
     log(f"parity: greedy agreement on the load-test prompts ({variant_parity.GREEDY_TOKENS} tokens)")
     load_test = [prompt_tokenizer.encode(p, apply_chat_template=False) for p in variant_parity.load_test_prompts()]
     agreement = variant_parity.agreement(variant_parity.engine_greedy(decoder, load_test),
@@ -257,7 +253,7 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int], tolerance: 
         "greedy_identical": sum(g["identical"] for g in greedy),
         "prompts": greedy,
         "greedy_agreement": agreement,
-        "passed": (max_diff <= tolerance and all(g["identical"] for g in greedy)
+        "passed": (max_diff <= tolerance and all(g["identical"] or g["left_at_a_near_tie"] for g in greedy)
                    and agreement["identical_share"] >= variant_parity.THRESHOLDS["fp32"][1]),
     }
     (output / PARITY_REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False))
@@ -296,15 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     export_onnx(model, output / ONNX_FILE)
     model.set_attn_implementation("eager")  # the reference is transformers' own attention, not the exported one
     report = check_parity(model, tokenizer, output, eos_ids, args.logit_tolerance)
+    near_ties = sum(g["left_at_a_near_tie"] for g in report["prompts"])
     log(
         f"parity: max |Δ logits| = {report['max_abs_logit_diff']:.2e} (tolerance {args.logit_tolerance}), "
-        f"greedy identical {report['greedy_identical']}/{len(report['prompts'])}; on the load-test prompts "
+        f"greedy identical {report['greedy_identical']}/{len(report['prompts'])}"
+        f"{f' ({near_ties} left at a near tie)' if near_ties else ''}; on the load-test prompts "
         f"{report['greedy_agreement']['identical']}/{report['greedy_agreement']['prompts']} over "
         f"{variant_parity.GREEDY_TOKENS} tokens"
     )
     if not report["passed"]:
         by_step = "; ".join(" ".join(f"{d:.1e}" for d in step) for step in report["max_abs_logit_diff_by_step"])
         log(f"max |Δ logits| by step (prefill first), each prompt: {by_step}")
+        for i, g in enumerate(report["prompts"]):
+            if "departure" in g:
+                log(f"greedy: prompt {i} left transformers' answer at {g['departure']}")
         log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}")
         return 1
     mark_complete(output, EXPORT_MARK, fingerprint)
