@@ -307,6 +307,21 @@ def export_tiny(source, output, variants: tuple[str, ...] = (), export_args: tup
 
 # --- references ---
 
+# Two logits of a reference's greedy step closer than this: a near tie, where another runtime's rounding may choose the
+# runner-up. Random tiny models pass many (the engine tests' one: 8 of its 12 LoRA answers pass one under 0.006
+# apart), and its logits moved 3.7e-3 against transformers on CI's machine (tests/tiny_engine_model.py).
+NEAR_TIE = 0.02
+
+
+def departures(answers: list[list[int]], keys: list, reference: dict, runners_up: dict, eos: list[int]) -> dict:
+    """The answers that leave the reference's (peft_reference's reference.json and runners_up.json: name -> each
+    prompt's) other than at a near tie for its runner-up, each key (name, prompt index) -> where and how."""
+    from scripts.eval.peft_reference import departure
+
+    return {(name, i): why for answer, (name, i) in zip(answers, keys, strict=True)
+            if (why := departure(answer, reference[name][i], runners_up[name][i], eos, NEAR_TIE))}
+
+
 def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_args) -> list[int]:
     """transformers' greedy generate() from these prompt ids: the new token ids, without EOS."""
     from scripts.eval.peft_reference import greedy_ids

@@ -226,10 +226,6 @@ def test_adapters_memory_is_kept_from_the_kv_budget(tmp_path, rng):
 
 ADAPTER_SPECS = {"sql": "8:16:q_proj,v_proj", "chat": "16:16:all:rslora"}  # PEFT's Llama default, and every projection
 MAX_TOKENS = 16
-# PEFT's top two logits closer than this: a near tie, where another runtime's rounding may choose the runner-up. The
-# tiny model's ties are close (8 of its 12 answers here pass one under 0.006 apart) and its logits moved 3.7e-3
-# against transformers on CI's machine (tests/tiny_engine_model.py).
-NEAR_TIE = 0.02
 
 
 def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list[list[int]], dict]:
@@ -257,6 +253,7 @@ def peft_reference(settings: dict, prompts: list[list[int]]) -> tuple[Path, list
 
 def test_an_answer_may_leave_the_reference_only_at_a_near_tie_and_only_for_its_runner_up():
     from scripts.eval.peft_reference import departure
+    from tests.helpers import NEAR_TIE
 
     runners_up = [(5, 0.5), (7, 0.001), (2, 0.01)]  # each step's runner-up and its distance below the chosen token
     assert departure([1, 2, 3], [1, 2, 3], runners_up, [0], NEAR_TIE) is None
@@ -295,13 +292,10 @@ class LoraCase:
 
     def check(self, answers: list[list[int]], keys: list[tuple[str, int]]) -> None:
         """Each answer is PEFT's for its (adapter name, prompt index), but for a departure at a near tie."""
-        from scripts.eval.peft_reference import departure
+        from tests.helpers import departures
 
-        eos = self.settings["eos_token_ids"]
-        departures = {key: why for answer, key in zip(answers, keys, strict=True)
-                      if (why := departure(answer, self.reference[key[0]][key[1]], self.runners_up[key[0]][key[1]],
-                                           eos, NEAR_TIE))}
-        assert not departures, departures
+        left = departures(answers, keys, self.reference, self.runners_up, self.settings["eos_token_ids"])
+        assert not left, left
 
     def adapters(self) -> dict:
         """Each adapter read from its folder (a fresh load: another adapter for the prefix cache)."""

@@ -198,6 +198,8 @@ def test_peft_adapters_of_a_tiny_model_give_peft_s_tokens_on_its_fp32_variant(ti
     from python_backend.lora import BaseShapes, read_peft
     from python_backend.model_files import ADAPTER_ONNX_FILE
     from python_backend.runtime.onnx_slot_decoder import OnnxSlotDecoder
+    from scripts.eval.peft_reference import RUNNERS_UP_FILE
+    from tests.helpers import departures
 
     eval_python = PROJECT_ROOT / ".venv-eval" / "bin" / "python"
     if not eval_python.exists():
@@ -223,7 +225,10 @@ def test_peft_adapters_of_a_tiny_model_give_peft_s_tokens_on_its_fp32_variant(ti
     sequences = [Sequence(prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS, end_ids=(NO_EOS,)),
                           adapter=adapters.get(name)) for name in names for ids in prompts]
     generate(OnnxSlotDecoder(variant / ADAPTER_ONNX_FILE), sequences, strategy="continuous")
-    assert [s.output_ids for s in sequences] == [reference[name][i] for name in names for i in range(len(prompts))]
+    runners_up = json.loads((tmp_path / "lora" / RUNNERS_UP_FILE).read_text())
+    left = departures([s.output_ids for s in sequences], [(name, i) for name in names for i in range(len(prompts))],
+                      reference, runners_up, [NO_EOS])
+    assert not left, left  # PEFT's tokens, but for a departure at a near tie (tests/helpers.py's NEAR_TIE)
 
 
 @pytest.fixture(scope="session")
