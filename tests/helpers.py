@@ -310,16 +310,23 @@ def export_tiny(source, output, variants: tuple[str, ...] = (), export_args: tup
 # Two logits of a reference's greedy step closer than this: a near tie, where another runtime's rounding may choose the
 # runner-up. Random tiny models pass many (the engine tests' one: 8 of its 12 LoRA answers pass one under 0.006
 # apart), and its logits moved 3.7e-3 against transformers on CI's machine (tests/tiny_engine_model.py).
-NEAR_TIE = 0.02
+NEAR_TIE = 0.01
 
 
-def departures(answers: list[list[int]], keys: list, reference: dict, runners_up: dict, eos: list[int]) -> dict:
+def departures(answers: list[list[int]], keys: list, reference: dict, runners_up: dict, eos: list[int],
+               near_tie: float = NEAR_TIE) -> dict:
     """The answers that leave the reference's (peft_reference's reference.json and runners_up.json: name -> each
-    prompt's) other than at a near tie for its runner-up, each key (name, prompt index) -> where and how."""
+    prompt's) other than at a near tie for its runner-up, each key (name, prompt index) -> where and how; and more
+    than a third of them (rounded up) leaving it at near ties, under the key "near ties": what is not compared
+    after a departure must stay the exception."""
     from scripts.eval.peft_reference import departure
 
-    return {(name, i): why for answer, (name, i) in zip(answers, keys, strict=True)
-            if (why := departure(answer, reference[name][i], runners_up[name][i], eos, NEAR_TIE))}
+    left = {(name, i): why for answer, (name, i) in zip(answers, keys, strict=True)
+            if (why := departure(answer, reference[name][i], runners_up[name][i], eos, near_tie))}
+    tied = [key for answer, key in zip(answers, keys) if key not in left and answer != reference[key[0]][key[1]]]
+    if len(tied) > -(-len(answers) // 3):
+        left["near ties"] = f"{len(tied)} of {len(answers)} answers left the reference at near ties: {tied}"
+    return left
 
 
 def hf_greedy(hf_model, settings, ids: list[int], max_tokens: int, **generate_args) -> list[int]:

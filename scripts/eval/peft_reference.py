@@ -113,6 +113,8 @@ def departure(answer: list[int], expected: list[int], runners_up: list, eos: lis
     n = next((i for i, (a, b) in enumerate(zip(answer, expected)) if a != b), min(len(answer), len(expected)))
     if n == len(answer) == len(expected):
         return None
+    if n >= len(runners_up):
+        return f"token {n}: past the reference's last step"
     chosen = answer[n] if n < len(answer) else None  # None: the answer ended there
     runner_up, gap = runners_up[n]
     if gap < near_tie and (chosen == runner_up or (chosen is None and runner_up in eos)):
