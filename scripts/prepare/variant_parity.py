@@ -129,10 +129,13 @@ def logit_differences(decoder, reference: LogitReference) -> np.ndarray:
     return np.stack(differences)
 
 
+def max_abs_logit(reference: LogitReference) -> float:
+    return float(max(np.abs(step).max() for step in reference.logits))
+
+
 def max_logit_difference(decoder, reference: LogitReference) -> tuple[float, float]:
     """(max |Δ logits|, max |logit|) of the decoder against the reference (logit_differences)."""
-    return (float(logit_differences(decoder, reference).max()),
-            float(max(np.abs(step).max() for step in reference.logits)))
+    return float(logit_differences(decoder, reference).max()), max_abs_logit(reference)
 
 
 def reference_greedy(fp32_dir: Path, load_model, prompts: list[list[int]]) -> list[list[int]]:
