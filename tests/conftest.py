@@ -13,7 +13,8 @@ from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-from tests.helpers import KV_TEST_PROMPTS, process_with_argument, variant_folder, zombie_children
+from scripts.launcher.processes import process_with_argument, zombie_children
+from tests.helpers import KV_TEST_PROMPTS, variant_folder
 from tests.tiny_engine_model import tiny_engine_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -64,32 +64,6 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.02, message: str
     return time.monotonic() - started
 
 
-def process_with_argument(argument: str) -> int | None:
-    """The pid of a process with this argument on its command line (the first found), or None."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if argument.encode() in cmdline.read_bytes().split(b"\0"):
-                return int(cmdline.parent.name)
-        except OSError:
-            continue
-    return None
-
-
-def zombie_children(pid: int) -> dict[int, str]:
-    """The children of process pid that died unreaped -> how each ended (its status stays in /proc until reaped)."""
-    zombies = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, ValueError):
-            continue
-        if fields[1] == str(pid) and fields[0] == "Z":
-            status = int(fields[-1])  # waitpid's status word
-            zombies[int(stat.parent.name)] = (f"killed by signal {status & 0x7F}" if status & 0x7F
-                                              else f"exited with code {status >> 8}")
-    return zombies
-
-
 # --- a running server ---
 
 def at_once(*calls) -> list:
@@ -169,8 +143,9 @@ def reconfigured_llm(server, **changes):
 
 def long_request() -> dict:
     """A request for the ensemble that runs until cancelled (1000 tokens, EOS never met)."""
-    return {"apply_chat_template": True, "text_input": "Tell me a very long story about a dragon.", "max_tokens": 1000,
-            "end_id": NO_EOS}
+    from scripts.bench.disconnect_storm import LONG_REQUEST
+
+    return dict(LONG_REQUEST)
 
 
 class BackgroundStream:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from scripts.launcher.processes import stop, stub_processes
-from tests.helpers import process_with_argument, wait_for, zombie_children
+from scripts.launcher.processes import process_with_argument, zombie_children
+from tests.helpers import wait_for
 
 
 @pytest.fixture

@@ -74,3 +74,29 @@ def stub_processes(server_pid: int) -> dict[int, list[str]]:
         if parent == str(server_pid) or names_server:
             stubs[int(cmdline.parent.name)] = [args[i].decode() for i in regions]
     return stubs
+
+
+def process_with_argument(argument: str) -> int | None:
+    """The pid of a process with this argument on its command line (the first found), or None."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if argument.encode() in cmdline.read_bytes().split(b"\0"):
+                return int(cmdline.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+def zombie_children(pid: int) -> dict[int, str]:
+    """The children of process pid that died unreaped -> how each ended (its status stays in /proc until reaped)."""
+    zombies = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if fields[1] == str(pid) and fields[0] == "Z":
+            status = int(fields[-1])  # waitpid's status word
+            zombies[int(stat.parent.name)] = (f"killed by signal {status & 0x7F}" if status & 0x7F
+                                              else f"exited with code {status >> 8}")
+    return zombies

@@ -2,11 +2,12 @@
 (a BLS call) → incremental detokenization and stop strings → one answer, or a stream of text deltas.
 
 `ensemble` is decoupled (gRPC streaming, /generate and /generate_stream); `ensemble_unary` runs this same file,
-not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model send the llm model a
-cancel request for its sequence (at its next token, or, over gRPC, within 0.1 s while it waits in the queue; Triton
-tells a model nothing about a closed HTTP connection before its first response): Triton does not pass cancellation
-into composed models by itself. When the llm model's process dies, the watchdog fails every
-request in flight at once (python_backend/serving/front_requests.py)."""
+not decoupled, for HTTP /infer and gRPC ModelInfer. A client that goes away makes this model tell the llm model to
+cancel its sequence (at its next token, or, over gRPC, within 0.1 s while it waits in the queue; Triton tells a model
+nothing about a closed HTTP connection before its first response), over a local socket
+(python_backend/serving/cancel_channel.py): Triton does not pass cancellation into composed models by itself. When
+the llm model's process dies, the watchdog fails every request in flight at once
+(python_backend/serving/front_requests.py)."""
 
 import faulthandler
 import secrets
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
 from python_backend.model_files import resolve_model_dir
 from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
+from python_backend.serving.cancel_channel import CancelSender
 from python_backend.serving.frontend import CancellationWatch, LlmChunk, response_outputs, text_deltas
 from python_backend.serving.heartbeat import Heartbeat, PeerLiveness
 from python_backend.serving.preprocessing import Preprocessor
@@ -45,7 +47,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.input_names = [tensor["name"] for tensor in config["input"]]  # passed on to preprocessing as they came
         self.in_flight = InFlight(int(params["max_concurrent_requests"]))
-        self.cancellations = CancellationWatch(_cancel)
+        self.cancel_sender = CancelSender("llm")
+        self.cancellations = CancellationWatch(self.cancel_sender)
         self.cancellations.start()
         self.llm = PeerLiveness("llm")
         self.watchdog = Watchdog(self.llm.problem, self._fail_in_flight)
@@ -114,6 +117,7 @@ class TritonPythonModel:
         self.heartbeat.stop()
         self.watchdog.stop()
         self.cancellations.stop()
+        self.cancel_sender.close()
         self.in_flight.fail_all(UnavailableError("the model is shutting down"))
 
 
@@ -164,14 +168,3 @@ def _llm_chunk(response, ids, finished):
         None if top_ids is None or not ids else top_ids.reshape(len(ids), -1).tolist(),
         scores or None,
     )
-
-
-def _cancel(key):
-    request = pb_utils.InferenceRequest(
-        model_name="llm",
-        inputs=[pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_)),
-                pb_utils.Tensor("cancel", np.array([[True]], np.bool_))],
-        requested_output_names=["finished"],
-    )
-    for response in request.exec(decoupled=True):
-        _raise_for(response)

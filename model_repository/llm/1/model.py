@@ -23,6 +23,7 @@ from python_backend.runtime.decoder import ServingLimits
 from python_backend.runtime.factory import RuntimeSettings, open_decoder, open_draft_decoder
 from python_backend.runtime.fault_injection import maybe_faulty
 from python_backend.runtime.onnx_decoder import share_thread_pool
+from python_backend.serving.cancel_channel import CancelListener
 from python_backend.serving.heartbeat import Heartbeat
 from python_backend.serving.llm_adapters import LoraSettings, adapter_for, adapter_request, apply_control, open_store
 from python_backend.serving.llm_requests import LlmLimits, guide_from_inputs, prompt_score_arrays, sequence_from_inputs
@@ -96,6 +97,8 @@ class TritonPythonModel:
         self.engine.start()
         self.heartbeat = Heartbeat(args["model_instance_name"], self.engine.health)
         self.heartbeat.start()
+        self.cancels = CancelListener(args["model_instance_name"], self.engine.cancel)  # the front model's
+        self.cancels.start()
 
     def execute(self, requests):
         for request in requests:
@@ -134,6 +137,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.cancels.stop()
         self.guides.close()
         self.heartbeat.stop()
         self.engine.stop()
