@@ -18,8 +18,8 @@ import triton_python_backend_utils as pb_utils
 
 from python_backend.errors import InvalidRequestError, UnavailableError, error_from_tagged
 from python_backend.model_files import resolve_model_dir
-from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
 from python_backend.serving.cancel_channel import CancelSender
+from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
 from python_backend.serving.frontend import CancellationWatch, LlmChunk, response_outputs, text_deltas
 from python_backend.serving.heartbeat import Heartbeat, PeerLiveness
 from python_backend.serving.preprocessing import Preprocessor

@@ -2,8 +2,9 @@
 loop (continuous, dynamic or static batching).
 
 Decoupled: each request gets one response per step with its new token ids, the last one flagged final. A request
-with ``cancel: true`` and a ``request_key`` cancels the running request with that key (the front model sends one
-when its client goes away: Triton does not pass cancellation into composed models)."""
+with ``cancel: true`` and a ``request_key`` cancels the running request with that key. The front model, whose
+clients' cancellations Triton does not pass on, sends such keys over a local socket instead
+(python_backend/serving/cancel_channel.py)."""
 
 import faulthandler
 import sys
@@ -126,7 +127,7 @@ class TritonPythonModel:
                 seq.emit = _emitter(sender, self.engine)
                 seq.on_error = _error_sender(sender, for_front=key is not None)
                 # A direct client's cancel is polled at every step; a keyed request comes from the front model
-                # over BLS, which never sees a cancel (the front sends a cancel request instead).
+                # over BLS, which never sees a cancel (the front sends its key to the cancel socket instead).
                 seq.is_cancelled = sender.is_cancelled if key is None else None
                 if guide is None:
                     self.engine.submit(seq)
