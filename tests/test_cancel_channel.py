@@ -43,11 +43,14 @@ def test_every_key_sent_reaches_each_instance_of_the_model_and_no_other(tmp_path
 
 def test_with_no_instance_listening_a_cancel_reaches_none_and_does_not_raise(tmp_path):
     sender = CancelSender("llm", tmp_path / "absent")
-    assert sender("k") == 0
+    assert sender.send("k") == 0
+    sender.close()
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a socket left by a killed process: nobody reads it
     stale.bind(str(tmp_path / "llm_0_0.cancel"))
     stale.close()
-    assert CancelSender("llm", tmp_path)("k") == 0
+    sender = CancelSender("llm", tmp_path)
+    assert sender.send("k") == 0
+    sender.close()
 
 
 def test_a_reloaded_instance_keeps_its_socket_when_the_one_it_replaces_stops(tmp_path):
@@ -60,12 +63,13 @@ def test_a_reloaded_instance_keeps_its_socket_when_the_one_it_replaces_stops(tmp
     before.stop()
     sender = CancelSender("llm", tmp_path)
     try:
-        assert sender("k") == 1
+        assert sender.send("k") == 1
         wait_for(lambda: new.keys == ["k"], timeout_s=30)
         assert old.keys == []
     finally:
         after.stop()
-    assert not (tmp_path / "llm_0_0.cancel").exists() and sender("k2") == 0
+    assert not (tmp_path / "llm_0_0.cancel").exists() and sender.send("k2") == 0
+    sender.close()
 
 
 def test_a_cancel_that_raises_in_the_engine_does_not_stop_the_listening(tmp_path):
@@ -86,3 +90,44 @@ def test_a_cancel_that_raises_in_the_engine_does_not_stop_the_listening(tmp_path
     finally:
         listener.stop()
         sender.close()
+
+
+def test_a_burst_beyond_the_listener_s_queue_never_blocks_the_callers_and_loses_no_key(tmp_path):
+    """A listener holds only a few datagrams (net.unix.max_dgram_qlen, 10 here): the front's request threads must
+    not wait on it, and every key still arrives once it reads again."""
+    received, reading = Received(), threading.Event()
+
+    def on_cancel(key):
+        reading.wait()  # the llm's listener busy: its queue fills
+        received(key)
+
+    listener = CancelListener("llm_0_0", on_cancel, tmp_path)
+    listener.start()
+    sender = CancelSender("llm", tmp_path)
+    try:
+        keys = [f"key-{i}" for i in range(100)]
+        threads = [threading.Thread(target=sender, args=(key,)) for key in keys]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), "a caller waited on the listener"
+        assert received.keys == []
+        reading.set()
+        wait_for(lambda: len(received.keys) == len(keys), timeout_s=60)
+        assert sorted(received.keys) == sorted(keys)
+    finally:
+        reading.set()
+        listener.stop()
+        sender.close()
+
+
+def test_a_runtime_folder_too_long_for_a_socket_leaves_the_model_serving_without_cancels(tmp_path, capsys):
+    folder = tmp_path / ("x" * 120)
+    listener = CancelListener("llm_0_0", Received(), folder)
+    listener.start()  # no exception: the model loads
+    listener.stop()
+    assert "too long for a socket" in capsys.readouterr().out
+    sender = CancelSender("llm", folder)
+    assert sender.send("k") == 0
+    sender.close()

@@ -82,6 +82,7 @@ def test_a_killed_client_s_thirty_streams_are_freed_and_the_front_model_lives(se
     from scripts.bench.disconnect_storm import kill_a_client
 
     server_pid = process_with_argument(f"--http-port={server.http}")
+    assert server_pid, "the shared server's process was not found"
 
     def settled():  # the engine idle, or a model process dead: it would never be
         values = metrics(server)

@@ -5,7 +5,8 @@ processes? (The front model's per-stream BLS cancel requests crashed its stub he
 
 Each round starts a client process with --streams gRPC streams of a long request, kills it with SIGKILL once each
 stream has text, then asks for a short answer. It stops at the first round whose streams or answer fail or after
-which a model process of the server has died, and prints each round. `--client URL COUNT` is the client process itself."""
+which a model process of the server has died, and prints each round. `--client URL COUNT` is the client process
+itself."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def hold_streams(url: str, count: int) -> None:
 
 def kill_a_client(url: str, count: int) -> None:
     """One round's client, killed with SIGKILL once its streams run."""
-    client = subprocess.Popen([sys.executable, "-m", "scripts.bench.disconnect_storm", "--client", url, str(count)], cwd=PROJECT_ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    client = subprocess.Popen([sys.executable, "-m", "scripts.bench.disconnect_storm", "--client", url, str(count)],
+                              cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         line = client.stdout.readline().strip()
         if line != "streaming":
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     with running_server(log_path=args.log, env={MODEL_DIR_ENV: str(model_dir)}) as ports:
         url = f"127.0.0.1:{ports.grpc}"
         server_pid = process_with_argument(f"--http-port={ports.http}")
+        if server_pid is None:
+            raise RuntimeError(f"no tritonserver process with --http-port={ports.http}")
         for round_ in range(1, args.rounds + 1):
             started = time.monotonic()
             try:
