@@ -77,7 +77,7 @@ def test_cancelling_a_grpc_stream_frees_the_sequence(server):
 def test_a_killed_client_s_thirty_streams_are_freed_and_the_front_model_lives(server):
     """A client holding many streams killed (as the OpenAI API mid-batch): every sequence is freed and the front
     model's process survives. A BLS cancel request per stream crashed it in Triton 2.51's python backend
-    (docs/operations.md): that path failed this test in 1 of 4 runs with two busy loops beside it (three rounds
+    (docs/operations.md): that path failed this test in 1 of 10 runs with two busy loops beside it (three rounds
     each; scripts/bench/disconnect_storm.py repeats the round as long as asked)."""
     from scripts.bench.disconnect_storm import kill_a_client
 
