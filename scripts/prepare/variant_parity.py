@@ -12,9 +12,11 @@ The PyTorch references (the greedy tokens, the logits) are computed once and kep
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +111,18 @@ def logit_reference(fp32_dir: Path, load_model, prompts: list[list[int]], decode
             if str(cached["key"]) == key:
                 return LogitReference(prompts, list(cached["fed"]), list(cached["logits"]))
     reference = pytorch_logits(load_model(), prompts, decode_steps)
-    with open(path, "wb") as file:
+    with _written_whole(path) as partial, open(partial, "wb") as file:
         np.savez(file, key=key, fed=np.stack(reference.fed), logits=np.stack(reference.logits))
     return reference
+
+
+@contextlib.contextmanager
+def _written_whole(path: Path):
+    """A file of this process's own to write, put in path's place at the end: the variants, built side by side
+    (make -j), each read a reference file that another may be writing."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    yield partial
+    os.replace(partial, path)
 
 
 def logit_differences(decoder, reference: LogitReference) -> np.ndarray:
@@ -149,7 +160,8 @@ def reference_greedy(fp32_dir: Path, load_model, prompts: list[list[int]]) -> li
             return cached["tokens"]
     log(f"fp32 PyTorch greedy reference: {len(prompts)} prompts x {GREEDY_TOKENS} tokens, batched (~30 s)")
     tokens = pytorch_greedy(load_model(), prompts, GREEDY_TOKENS)
-    path.write_text(json.dumps({"key": key, "tokens": tokens}))
+    with _written_whole(path) as partial:
+        partial.write_text(json.dumps({"key": key, "tokens": tokens}))
     return tokens
 
 
