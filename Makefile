@@ -165,10 +165,18 @@ serve: model
 tiny-model: export-model
 	$(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
 
+# The venvs' bytecode, compiled at the lowest priority while the export leaves a core idle (make test-setup), so that
+# the suite's parallel processes do not each compile the modules they import first (a module not compiled yet when
+# it is imported is compiled then, as without this step).
+$(VENV)/.bytecode: $(VENV)/.installed $(CLIENTS_VENV)/.installed $(EVAL_VENV)/.installed
+	-nice -n 19 $(PY) -m compileall -q -j 0 $(VENV)/lib $(CLIENTS_VENV)/lib $(EVAL_VENV)/lib > /dev/null
+	touch $@
+
 # What make test needs, three jobs at a time: the test-only venvs are installed while the export, the variants and
 # the tiny model are built.
 test-setup:
-	@started=$$(date +%s); $(MAKE) --no-print-directory -j3 variants tiny-model clients eval-venv || exit $$?; \
+	@started=$$(date +%s); \
+	$(MAKE) --no-print-directory -j3 variants tiny-model clients eval-venv $(VENV)/.bytecode || exit $$?; \
 	echo "make test-setup: took $$(( $$(date +%s) - started )) s"
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.

@@ -77,3 +77,18 @@ def test_the_watchdog_reports_a_problem_only_when_there_is_one():
     dog.check()
     dog.check()
     assert seen == ["llm_0_0: process 7 is gone"]
+
+
+def test_an_idle_watchdog_asks_nothing_and_a_busy_one_reports_the_problem():
+    asked, seen, in_flight = [], [], []
+
+    def problem():
+        asked.append(1)
+        return "llm_0_0: process 7 is gone"
+
+    dog = Watchdog(problem, seen.append, busy=lambda: bool(in_flight))
+    dog.check()
+    assert asked == [] and seen == []
+    in_flight.append("request")
+    dog.check()
+    assert seen == ["llm_0_0: process 7 is gone"]

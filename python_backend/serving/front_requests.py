@@ -77,13 +77,19 @@ class InFlight:
 
 
 class Watchdog(Periodic):
-    """Every ``interval_s``: when ``problem()`` names one, ``on_problem(problem)`` (which fails the requests in flight)."""
+    """Every ``interval_s`` while ``busy()`` (requests in flight): when ``problem()`` names one, ``on_problem(problem)``
+    (which fails the requests in flight). An idle front asks nothing: ``problem()`` reads every llm instance's
+    heartbeat file, and an idle server asking it four times a second spent 1 % of a core on it (a new request is
+    checked as it is admitted)."""
 
-    def __init__(self, problem: Callable[[], str | None], on_problem: Callable[[str], None], interval_s: float = 0.25):
+    def __init__(self, problem: Callable[[], str | None], on_problem: Callable[[str], None],
+                 busy: Callable[[], bool] = lambda: True, interval_s: float = 0.25):
         super().__init__("llm-watchdog", interval_s, self.check)
-        self.problem, self.on_problem = problem, on_problem
+        self.problem, self.on_problem, self.busy = problem, on_problem, busy
 
     def check(self) -> None:
+        if not self.busy():
+            return
         problem = self.problem()
         if problem:
             self.on_problem(problem)

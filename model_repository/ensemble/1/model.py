@@ -51,7 +51,7 @@ class TritonPythonModel:
         self.cancellations = CancellationWatch(self.cancel_sender)
         self.cancellations.start()
         self.llm = PeerLiveness("llm")
-        self.watchdog = Watchdog(self.llm.problem, self._fail_in_flight)
+        self.watchdog = Watchdog(self.llm.problem, self._fail_in_flight, busy=lambda: len(self.in_flight) > 0)
         self.watchdog.start()
         self.heartbeat = Heartbeat(args["model_instance_name"])
         self.heartbeat.start()
