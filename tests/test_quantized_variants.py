@@ -106,6 +106,20 @@ def test_the_pytorch_reference_gives_each_prompt_in_a_padded_batch_its_tokens_al
     assert pytorch_greedy(reference_model, prompts, 4) == alone
 
 
+def test_a_reference_is_written_whole_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
+    """The variants, built side by side (make -j), read the reference files: one computed again is written to a file
+    of its own and moved into place, never seen half-written; a write that fails leaves the old file and no other."""
+    monkeypatch.setattr(variant_parity, "pytorch_greedy", lambda model, prompts, tokens: [[7, 8]] * len(prompts))
+    assert variant_parity.reference_greedy(tmp_path, lambda: None, [[1, 2]]) == [[7, 8]]
+    kept = (tmp_path / variant_parity.GREEDY_REFERENCE_FILE).read_text()
+    with pytest.raises(OSError):
+        with variant_parity._written_whole(tmp_path / variant_parity.GREEDY_REFERENCE_FILE) as partial:
+            partial.write_text("half")
+            raise OSError("disk full")
+    assert [p.name for p in tmp_path.iterdir()] == [variant_parity.GREEDY_REFERENCE_FILE]
+    assert (tmp_path / variant_parity.GREEDY_REFERENCE_FILE).read_text() == kept
+
+
 @pytest.fixture(scope="module")
 def fp32_answer(server):
     return GenerateClient(f"127.0.0.1:{server.http}").complete(REQUEST)

@@ -79,8 +79,8 @@ class InFlight:
 class Watchdog(Periodic):
     """Every ``interval_s`` while ``busy()`` (requests in flight): when ``problem()`` names one, ``on_problem(problem)``
     (which fails the requests in flight). An idle front asks nothing: ``problem()`` reads every llm instance's
-    heartbeat file, and an idle server asking it four times a second spent 1 % of a core on it (a new request is
-    checked as it is admitted)."""
+    heartbeat file, and an idle server asking it four times a second spent half a percent to one percent of a core
+    on it (``python -m scripts.bench.idle_server``). A new request is checked as it is admitted."""
 
     def __init__(self, problem: Callable[[], str | None], on_problem: Callable[[str], None],
                  busy: Callable[[], bool] = lambda: True, interval_s: float = 0.25):

@@ -121,8 +121,11 @@ def _written_whole(path: Path):
     """A file of this process's own to write, put in path's place at the end: the variants, built side by side
     (make -j), each read a reference file that another may be writing."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    yield partial
-    os.replace(partial, path)
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def logit_differences(decoder, reference: LogitReference) -> np.ndarray:
