@@ -14,22 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
+from scripts.bench.benchmark import cpu_line, cpu_seconds
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-
-
-def cpu_seconds(processes: list[psutil.Process]) -> dict[int, tuple[str, float]]:
-    """pid -> (the process's last arguments, its user and system CPU seconds so far)."""
-    used = {}
-    for process in processes:
-        try:
-            times = process.cpu_times()
-            used[process.pid] = (" ".join(process.cmdline()[-3:]), times.user + times.system)
-        except psutil.Error:
-            continue
-    return used
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,17 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     with running_server(MODEL_REPOSITORY, log_path=log, explicit_models=all_models(MODEL_REPOSITORY),
                         env={"TRITON_LLM_MODEL_DIR": str(args.model_dir.resolve())}):
         time.sleep(5)  # the models' start-up work is over
-        processes = psutil.Process().children(recursive=True)
-        before = cpu_seconds(processes)
+        before = cpu_seconds()
         time.sleep(args.seconds)
-        after = cpu_seconds(processes)
-    total = 0.0
-    for pid, (command, used) in after.items():
-        spent = used - before.get(pid, (command, used))[1]
-        total += spent
-        print(f"{spent:6.2f} CPU-s  {command}")
-    print(f"{total:6.2f} CPU-s in {args.seconds:.0f} s idle: {100 * total / args.seconds:.1f} % of a core "
-          f"(server log: {log})")
+        after = cpu_seconds()
+    print(cpu_line(before, after, args.seconds))
+    server = sum(after[name] - before.get(name, 0.0) for name in after if name != "benchmark client")
+    print(f"the server: {server:.2f} CPU-s in {args.seconds:.0f} s idle, {100 * server / args.seconds:.1f} % of a core "
+          f"(its log: {log})")
     return 0
 
 
