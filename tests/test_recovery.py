@@ -186,13 +186,17 @@ def test_a_frozen_llm_process_is_found_stalled_and_replaced(supervised):
     before = supervised.answer()
     fault = signal_under_load(supervised, "llm_0_0", 2, signal.SIGSTOP, timeout_s=RECOVERY_TIMEOUT_S)
     errors, health = fault.errors, fault.health
-    assert 503 in fault.seen and health["recoveries"][-1]["action"] == "reload llm"
-    assert "stalled" in health["recoveries"][-1]["reason"]
+    recovery = health["recoveries"][-1]
+    # Killing a stopped stub may leave a lock of Triton's Python backend held (seen once: tritonserver aborted with
+    # boost's lock_exception during the reload); the supervisor then restarts the server, which this accepts.
+    assert 503 in fault.seen and (recovery["action"] == "reload llm" or (
+        recovery["action"] == "reload llm, then restart tritonserver" and health["server_pid"] != fault.server_pid))
+    assert "stalled" in recovery["reason"]
     assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
     assert supervised.answer() == before
     assert not process_alive(fault.pid), "the frozen process was killed, not left behind"
     print(f"llm frozen: requests failed after {max(e[1] for e in errors):.1f} s, "
-          f"recovered in {health['recoveries'][-1]['took_s']} s after detection")
+          f"recovered in {recovery['took_s']} s after detection ({recovery['action']})")
 
 
 def test_the_supervisor_reports_readiness_and_recoveries_as_prometheus_metrics(supervised):

@@ -174,3 +174,51 @@ def test_the_api_is_pointed_at_the_servers_grpc_port_and_the_supervisors_readine
     assert command[command.index("--triton-url") + 1] == "127.0.0.1:7001"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert command[command.index("--health-url") + 1] == "http://127.0.0.1:8003/health/ready"
+
+
+def test_a_server_that_dies_while_llm_reloads_is_found_without_waiting_on_the_load(tmp_path, monkeypatch):
+    """Seen in a run: Triton's Python backend aborted as the supervisor killed a stalled llm stub (a lock of theirs
+    the stopped stub held), and its answer to the load never came; the supervisor waited on it for the client's
+    5 minutes. Here a stand-in server holds the load unanswered while a front model's process dies: the reload ends
+    naming the dead front (the caller then restarts tritonserver), whatever the load's timeout."""
+    import socket
+
+    from python_backend.serving.heartbeat import RUNTIME_DIR_ENV
+
+    held = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: held.extend(iter(listener.accept, None)), daemon=True).start()  # never answers
+    servers, front = [], subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    supervisor = Supervisor(stand_in(servers), f"127.0.0.1:{listener.getsockname()[1]}", ["llm", "ensemble"],
+                            recovery_timeout_s=600)
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    try:
+        supervisor.process = stand_in(servers)()
+        folder = supervisor.heartbeat_dir()
+        folder.mkdir()
+        for instance, pid in (("llm_0_0", gone.pid), ("ensemble_0_0", front.pid)):
+            (folder / f"{instance}.json").write_text(json.dumps({"pid": pid, "time": time.time() + 600}))
+        errors = []
+        reloading = threading.Thread(target=lambda: errors.append(_raised(supervisor._reload_llm)), daemon=True)
+        reloading.start()
+        while not held:  # the load reached the server, which holds it
+            assert reloading.is_alive(), errors
+            time.sleep(0.02)
+        front.kill()
+        reloading.join(120)
+        assert not reloading.is_alive(), "the reload waited on a load the server never answers"
+        assert isinstance(errors[0], RuntimeError) and "ensemble_0_0 dead" in str(errors[0]), errors
+    finally:
+        front.kill()
+        supervisor.stop()
+        listener.close()
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - the test looks at it
+        return error
+    return None

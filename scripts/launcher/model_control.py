@@ -9,12 +9,12 @@ import json
 SERVED_MODELS = ["llm", "ensemble", "ensemble_unary"]
 
 
-def reload_llm(http_url: str, max_batch_size: int | None = None, **parameters) -> dict:
+def reload_llm(http_url: str, max_batch_size: int | None = None, timeout_s: float = 300, **parameters) -> dict:
     """Loads `llm` again with these changes to its current config; the old version serves until the new is ready.
     Returns the config that was loaded."""
     import tritonclient.http as httpclient
 
-    client = httpclient.InferenceServerClient(http_url, network_timeout=300, connection_timeout=300)
+    client = httpclient.InferenceServerClient(http_url, network_timeout=timeout_s, connection_timeout=timeout_s)
     config = client.get_model_config("llm")
     if max_batch_size is not None:
         config["max_batch_size"] = int(max_batch_size)

@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -197,15 +198,29 @@ class Supervisor:
             # ends: loading a model takes seconds, the front looks every 0.25 s).
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload.
-        reload_llm(self.http_url, supervisor_generation=len(self.recoveries))
+        # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload. It runs on a
+        # thread of its own while the server is watched: a tritonserver that dies during the load (seen: Triton's
+        # Python backend aborting on a lock the killed stub held) never answers it.
+        load = _in_background(lambda: reload_llm(self.http_url, timeout_s=self.recovery_timeout_s,
+                                                 supervisor_generation=len(self.recoveries)))
         deadline = time.monotonic() + self.recovery_timeout_s
         while time.monotonic() < deadline:
-            llm = [h for h in self.instances() if _model_of(h.instance) == RELOADABLE]
-            if llm and all(h.ok and h.pid not in dead for h in llm) and self.server_ready():
-                return
+            if problem := self._server_problem():
+                raise RuntimeError(f"{problem} while llm was reloaded")
+            if load.done():
+                load.result()  # the load's own error, if it failed
+                llm = [h for h in self.instances() if _model_of(h.instance) == RELOADABLE]
+                if llm and all(h.ok and h.pid not in dead for h in llm) and self.server_ready():
+                    return
             time.sleep(0.1)
         raise TimeoutError(f"llm was not serving again within {self.recovery_timeout_s:.0f} s")
+
+    def _server_problem(self) -> str | None:
+        """What a reload of llm cannot mend: tritonserver gone, or another model's process not ok."""
+        if self.process.poll() is not None:
+            return f"tritonserver exited with code {self.process.returncode}"
+        others = [h for h in self.instances() if _model_of(h.instance) != RELOADABLE and not h.ok]
+        return "; ".join(f"{h.instance} {h.state}: {h.reason}" for h in others) or None
 
     def _restart_api(self) -> None:
         self.api = self.start_api()
@@ -241,6 +256,20 @@ class Supervisor:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s")
+
+
+def _in_background(call: Callable[[], object]) -> Future:
+    """call() on a daemon thread (one that hangs is left behind, not waited on); its result or error in the Future."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(call())
+        except BaseException as error:  # noqa: BLE001 - handed to whoever reads the Future
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="background", daemon=True).start()
+    return future
 
 
 def _runs_and_answers(process: subprocess.Popen | None, url: str) -> bool:
