@@ -165,19 +165,19 @@ serve: model
 tiny-model: export-model
 	$(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
 
-# The venvs' bytecode, compiled at the lowest priority while the export leaves a core idle (make test-setup), so that
-# the suite's parallel processes do not each compile the modules they import first (a module not compiled yet when
-# it is imported is compiled then, as without this step). Its errors are ignored: a few packages ship files that do
-# not compile, which nothing imports.
-$(VENV)/.bytecode: $(VENV)/.installed $(CLIENTS_VENV)/.installed $(EVAL_VENV)/.installed
-	-nice -n 19 $(PY) -m compileall -q -j 0 $(VENV)/lib $(CLIENTS_VENV)/lib $(EVAL_VENV)/lib > /dev/null
+# What pytest's workers import as they collect the tests (torch, transformers, tritonclient, the test files), compiled
+# once, beside the export, instead of by each of them at once as they start (the modules are installed without
+# bytecode, above). Only what is imported: compiling the three venvs whole took 222 CPU-s (compileall, 2026-12-06),
+# this about ten. A collection error is left to pytest's run to report.
+$(VENV)/.collected: $(VENV)/.installed
+	-$(PY) -m pytest --collect-only -q -p no:cacheprovider tests > /dev/null
 	touch $@
 
-# What make test needs, three jobs at a time: the test-only venvs are installed while the export, the variants and
-# the tiny model are built.
+# What make test needs, three jobs at a time: the test-only venvs are installed while the export runs, then the
+# tiny model and the variants are built side by side (the tiny model first: it is the longest).
 test-setup:
 	@started=$$(date +%s); \
-	$(MAKE) --no-print-directory -j3 variants tiny-model clients eval-venv $(VENV)/.bytecode || exit $$?; \
+	$(MAKE) --no-print-directory -j3 tiny-model variants clients eval-venv $(VENV)/.collected || exit $$?; \
 	echo "make test-setup: took $$(( $$(date +%s) - started )) s"
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.

@@ -44,6 +44,10 @@ PARITY_PROMPTS = [
 ]
 MAX_LOGIT_DIFF = 1e-3  # fp32 exports land near 1e-4 on logits of magnitude ~40 (--logit-tolerance for another)
 GREEDY_TOKENS = 32
+# From this many parameters up, PyTorch's references are computed in a process of their own while torch.onnx.export
+# traces on one core (SmolLM2-135M: 24 s of the export's 150 s); below it, that process's imports would cost more than
+# the references it takes off.
+REFERENCES_BESIDE_PARAMETERS = 50_000_000
 ATTENTION_SINK_MODELS = {"gpt_oss"}  # transformers' model types whose attention adds learned sinks
 DECODE_STEPS_CHECKED = 4
 _started = time.monotonic()
@@ -214,6 +218,34 @@ def logit_reference(output: Path, prompts: list[list[int]], model=None) -> varia
     return variant_parity.logit_reference(output, load_model, prompts, DECODE_STEPS_CHECKED)
 
 
+def load_test_prompts(prompt_tokenizer: PromptTokenizer) -> list[list[int]]:
+    return [prompt_tokenizer.encode(p, apply_chat_template=False) for p in variant_parity.load_test_prompts()]
+
+
+def write_references(output: Path) -> None:
+    """PyTorch's references that the parity checks read (variant_parity's cache files), computed from the Hugging Face
+    folder the export's settings name."""
+    import functools
+
+    hf_dir = json.loads((output / SETTINGS_FILE).read_text())["hf_dir"]
+    load_model = functools.cache(lambda: variant_parity.load_reference_model(hf_dir))
+    prompt_tokenizer = PromptTokenizer(output)
+    logit_reference(output, parity_prompts(prompt_tokenizer), load_model())
+    variant_parity.reference_greedy(output, load_model, load_test_prompts(prompt_tokenizer))
+
+
+def references_beside(model, output: Path):
+    """A process computing write_references(output) while this one traces (None for a small model): it keeps a
+    core of its own (one thread on two cores) and hands its result back through the cache files."""
+    import subprocess
+
+    if sum(p.numel() for p in model.parameters()) < REFERENCES_BESIDE_PARAMETERS:
+        return None
+    threads = str(max(1, (os.cpu_count() or 2) - 1))
+    return subprocess.Popen([sys.executable, "-m", "scripts.prepare.export_onnx", "--output", str(output),
+                             "--references-only"], env={"OMP_NUM_THREADS": threads, **os.environ})
+
+
 def check_parity(model, tokenizer, output: Path, eos_ids: list[int], tolerance: float = MAX_LOGIT_DIFF) -> dict:
     log(f"parity: last-position logits on a left-padded batch of 4, prefill + {DECODE_STEPS_CHECKED} decode steps")
     prompt_tokenizer = PromptTokenizer(output)
@@ -238,7 +270,7 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int], tolerance: 
                        "left_at_a_near_tie": seq.output_ids != expected and left is None,
                        "text": tokenizer.decode(seq.output_ids), **({"departure": left} if left else {})})
     log(f"parity: greedy agreement on the load-test prompts ({variant_parity.GREEDY_TOKENS} tokens)")
-    load_test = [prompt_tokenizer.encode(p, apply_chat_template=False) for p in variant_parity.load_test_prompts()]
+    load_test = load_test_prompts(prompt_tokenizer)
     agreement = variant_parity.agreement(variant_parity.engine_greedy(decoder, load_test),
                                          variant_parity.reference_greedy(output, lambda: model, load_test))
     report = {
@@ -266,10 +298,15 @@ def main(argv: list[str] | None = None) -> int:
                              "SmolLM2 GGUF)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--force", action="store_true", help="export again even if the output is up to date")
+    parser.add_argument("--references-only", action="store_true",
+                        help="only compute PyTorch's references for the export in --output (its settings written)")
     parser.add_argument("--logit-tolerance", type=float, default=MAX_LOGIT_DIFF,
                         help="the largest |Δ logits| against transformers that passes (default: %(default)s, set for "
                              "trained models' logits; a random model's may need more)")
     args = parser.parse_args(argv)
+    if args.references_only:
+        write_references(args.output)
+        return 0
     source = args.source or recorded_source(args.output) or default_source()
     if not source.exists():
         parser.error(f"source {source} does not exist")
@@ -288,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     hf_dir, model, tokenizer = load_source(source, output)
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
+    references = references_beside(model, output)
     export_onnx(model, output / ONNX_FILE)
+    if references is not None and references.wait() != 0:
+        log(f"computing PyTorch's references beside the export failed (exit {references.returncode}): computing "
+            "them here")
     model.set_attn_implementation("eager")  # the reference is transformers' own attention, not the exported one
     report = check_parity(model, tokenizer, output, eos_ids, args.logit_tolerance)
     near_ties = sum(g["left_at_a_near_tie"] for g in report["prompts"])
