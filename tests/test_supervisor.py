@@ -144,8 +144,9 @@ def get(url: str) -> tuple[int | None, dict]:
 @pytest.mark.parametrize("supervised", [False, True])
 def test_the_serve_command_runs_the_openai_api_beside_the_server_and_stops_it(tmp_path, supervised):
     ports, health_port, api_port = Ports.free(), Ports.free().http, Ports.free().http
-    command = [sys.executable, "-m", "scripts.launcher.triton_server", "--tritonserver", stand_in_tritonserver(tmp_path),
-               "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
+    command = [sys.executable, "-m", "scripts.launcher.triton_server",
+               "--tritonserver", stand_in_tritonserver(tmp_path), "--http-port", str(ports.http),
+               "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
                "--health-port", str(health_port), "--openai-port", str(api_port)]
     # A session of its own: whatever the command leaves behind is killed at the end, after the checks.
     process = subprocess.Popen(command + ([] if supervised else ["--no-supervise"]), cwd=PROJECT_ROOT,
@@ -187,7 +188,13 @@ def test_a_server_that_dies_while_llm_reloads_is_found_without_waiting_on_the_lo
 
     held = []
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=lambda: held.extend(iter(listener.accept, None)), daemon=True).start()  # never answers
+
+    def hold_every_connection():  # accepted, never answered, until the listener is closed
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept())
+
+    threading.Thread(target=hold_every_connection, daemon=True).start()
     servers, front = [], subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -5,6 +5,7 @@ reach the model with the BOS, whether or not the request asks for the (missing) 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -75,6 +76,29 @@ def test_an_export_of_another_model_is_kept_when_no_source_is_named(tiny_model_d
     assert export_onnx.main(["--output", str(output)]) == 0
     assert (output / EXPORT_MARK).read_text() == mark
     assert (output / "weights.bin").read_bytes() == b"the user's export"
+
+
+def test_an_export_that_fails_stops_its_references_process(tiny_model_dir, tmp_path, monkeypatch):
+    """The process computing PyTorch's references beside the tracing (models of REFERENCES_BESIDE_PARAMETERS or more)
+    is not left running when the tracing fails."""
+    from scripts.prepare import export_onnx
+
+    started = []
+    beside = export_onnx.references_beside
+
+    def recorded(model, output):
+        started.append(beside(model, output))
+        return started[-1]
+
+    def tracing_fails(model, path):
+        raise RuntimeError("the tracer said no")
+
+    monkeypatch.setattr(export_onnx, "REFERENCES_BESIDE_PARAMETERS", 0)
+    monkeypatch.setattr(export_onnx, "references_beside", recorded)
+    monkeypatch.setattr(export_onnx, "export_onnx", tracing_fails)
+    with pytest.raises(RuntimeError, match="the tracer said no"):
+        export_onnx.main(["--source", str(tiny_model_dir), "--output", str(tmp_path / "out")])
+    assert started[0] is not None and started[0].wait(timeout=120) == -signal.SIGKILL, "killed, not left computing"
 
 
 def test_a_model_whose_attention_the_export_lacks_is_refused_before_any_work(tmp_path, capsys):

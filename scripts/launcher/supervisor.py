@@ -300,7 +300,8 @@ def health_metrics(state: dict) -> bytes:
     class HealthCollector:
         def collect(self):
             yield GaugeMetricFamily("triton_llm_ready", "1 while tritonserver is ready and every model process is "
-                                    "alive and making progress (what /health/ready answers 200 for)", value=state["ready"])
+                                    "alive and making progress (what /health/ready answers 200 for)",
+                                    value=state["ready"])
             yield GaugeMetricFamily("triton_llm_recovering", "1 while the supervisor reloads a model or restarts "
                                     "tritonserver", value=state["recovering"])
             yield CounterMetricFamily("triton_llm_recoveries", "Reloads and restarts so far",

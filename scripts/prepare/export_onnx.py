@@ -326,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir, model, tokenizer = load_source(source, output)
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
     references = references_beside(model, output)
-    export_onnx(model, output / ONNX_FILE)
+    try:
+        export_onnx(model, output / ONNX_FILE)
+    except BaseException:
+        if references is not None:  # not left computing for an export that failed
+            references.kill()
+            references.wait()
+        raise
     if references is not None and references.wait() != 0:
         log(f"computing PyTorch's references beside the export failed (exit {references.returncode}): computing "
             "them here")
