@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from python_backend.serving.heartbeat import Heartbeat, PeerLiveness, judge, process_alive, read_health
+from python_backend.serving.heartbeat import (RUNTIME_DIR_ENV, Heartbeat, PeerLiveness, judge, process_alive,
+                                              process_start_ticks, read_health, runtime_dir)
 
 
 def test_a_heartbeat_is_written_and_read_back_as_ok(tmp_path):
@@ -78,3 +79,16 @@ def test_an_old_instance_does_not_overwrite_its_reloaded_successors_heartbeat(tm
         successor.wait()
     old.beat()  # the successor is gone: the file is this instance's again
     assert json.loads((tmp_path / "llm_0_0.json").read_text())["pid"] == os.getpid()
+
+
+def test_a_stub_and_its_server_name_the_same_folder_and_it_carries_the_servers_start(tmp_path, monkeypatch):
+    """A stub names the folder by its parent, the supervisor by the process it started: the same folder. Its name
+    carries the server's start as well as its pid: pids come round again, and an earlier server's heartbeats left
+    under the same pid must not be read as this one's."""
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    stub = subprocess.run([sys.executable, "-c", "from python_backend.serving.heartbeat import runtime_dir; "
+                           "print(runtime_dir())"], capture_output=True, text=True, check=True)
+    assert Path(stub.stdout.strip()) == runtime_dir(os.getpid())
+    started = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[-1].split()[19]
+    assert runtime_dir(os.getpid()) == tmp_path / f"triton-llm-{os.getpid()}-{started}"
+    assert process_start_ticks(-1) is None, "a pid no process has"

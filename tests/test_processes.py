@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from python_backend.serving.heartbeat import RUNTIME_DIR_ENV, runtime_dir
 from scripts.launcher.processes import stop, stub_processes
 from scripts.launcher.processes import process_with_argument, zombie_children
 from tests.helpers import wait_for
@@ -82,3 +83,19 @@ def test_children_that_died_unreaped_are_found_with_how_they_ended():
         for process in (crashed, exited, running):
             process.kill()
             process.wait()
+
+
+def test_stopping_a_server_removes_its_runtime_folder_and_leaves_another_servers(fake_server, tmp_path, monkeypatch):
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        for server in (fake_server, other):
+            runtime_dir(server.pid).mkdir()
+            (runtime_dir(server.pid) / "llm_0_0.json").write_text("{}")
+        mine = runtime_dir(fake_server.pid)
+        stop(fake_server, timeout_s=10)
+        assert not mine.exists(), "its heartbeats would be read by a later server given the same pid"
+        assert (runtime_dir(other.pid) / "llm_0_0.json").exists()
+    finally:
+        other.kill()
+        other.wait()

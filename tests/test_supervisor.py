@@ -202,7 +202,7 @@ def test_a_server_that_dies_while_llm_reloads_is_found_without_waiting_on_the_lo
                             recovery_timeout_s=600)
     monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
     try:
-        supervisor.process = stand_in(servers)()
+        supervisor._start_server()
         folder = supervisor.heartbeat_dir()
         folder.mkdir()
         for instance, pid in (("llm_0_0", gone.pid), ("ensemble_0_0", front.pid)):

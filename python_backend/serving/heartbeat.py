@@ -32,9 +32,23 @@ STALL_S = 120.0  # an engine with work and no finished step for this long: stall
 
 
 def runtime_dir(server_pid: int | None = None) -> Path:
-    """The heartbeat folder of one tritonserver. Inside a stub, the server is the parent process."""
+    """The heartbeat folder of one tritonserver. Inside a stub, the server is the parent process.
+
+    Named by the server's pid and its start time: pids come round again (32768 of them here; a test run wraps), and a
+    new server must not read the heartbeats an earlier one with its pid left behind."""
+    pid = os.getppid() if server_pid is None else server_pid
     base = os.environ.get(RUNTIME_DIR_ENV) or tempfile.gettempdir()
-    return Path(base) / f"triton-llm-{os.getppid() if server_pid is None else server_pid}"
+    started = process_start_ticks(pid)
+    return Path(base) / (f"triton-llm-{pid}" if started is None else f"triton-llm-{pid}-{started}")
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat's 22nd field); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[-1].split()[19])  # fields from the 3rd (state) on, after the command's name
 
 
 def process_alive(pid: int) -> bool:

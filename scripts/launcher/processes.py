@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from python_backend.serving.heartbeat import runtime_dir
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,13 @@ class Ports:
 
 def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
     """SIGTERM, then SIGKILL after timeout_s; then the Python stubs that name this server (and their shared memory)
-    are removed. A killed tritonserver's stubs see it gone within a second and exit, but a stub whose own thread is
-    stuck does not (seen: an orphaned llm stub holding 600 MB, and after test runs an llm stub whose server had
-    exited), and nor does one listed by its parent only, once that parent has died."""
+    are removed, and its runtime folder (heartbeats, cancel sockets). A killed tritonserver's stubs see it gone within
+    a second and exit, but a stub whose own thread is stuck does not (seen: an orphaned llm stub holding 600 MB, and
+    after test runs an llm stub whose server had exited), and nor does one listed by its parent only, once that
+    parent has died."""
+    # The folder is named by the process's start time, readable until it is reaped (after that its pid may be
+    # another process's: a server reaped before this leaves its folder).
+    folder = runtime_dir(process.pid) if process.returncode is None else None
     if process.poll() is None:
         stubs = stub_processes(process.pid)
         terminate(process, timeout_s)
@@ -44,6 +51,8 @@ def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
             os.kill(pid, signal.SIGKILL)
         for region in regions:
             Path("/dev/shm", region).unlink(missing_ok=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def terminate(process: subprocess.Popen, timeout_s: float) -> None:

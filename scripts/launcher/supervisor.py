@@ -41,6 +41,7 @@ from scripts.launcher.processes import stop, terminate
 
 API_STOP_S = 10  # SIGTERM, then SIGKILL: uvicorn gives open streams a few seconds
 MAX_API_BACKOFF_S = 60
+LOAD_FAILURE_GRACE_S = 5.0  # how long a failed load's server is given to show it was exiting
 RELOADABLE = "llm"  # the one model whose death the front model survives (it fails its requests itself)
 
 
@@ -51,6 +52,7 @@ class Recovery:
     started: float
     took_s: float | None = None
     ok: bool | None = None
+    error: str | None = None  # why the action failed, when it did (then a tritonserver restart followed, or none)
 
 
 def python_models(model_repository: Path) -> list[str]:
@@ -77,6 +79,7 @@ class Supervisor:
 
     def __post_init__(self):
         self.process: subprocess.Popen | None = None
+        self._heartbeat_dir: Path | None = None
         self.api: subprocess.Popen | None = None
         self._api_failures = 0  # restarts of the API in a row that failed: the next waits 2^n s (at most a minute)
         self._api_retry_at = 0.0
@@ -87,7 +90,8 @@ class Supervisor:
     # --- state ---
 
     def heartbeat_dir(self) -> Path | None:
-        return runtime_dir(self.process.pid) if self.process else None
+        """The current server's folder, named when it was started (its pid alone may come round again)."""
+        return self._heartbeat_dir
 
     def instances(self) -> list[InstanceHealth]:
         folder = self.heartbeat_dir()
@@ -127,7 +131,7 @@ class Supervisor:
                 return
             if self.start_api is not None:
                 self.api = self.start_api()  # it waits for no server: it starts while tritonserver loads
-            self.process = self.start_server()
+            self._start_server()
         self._wait_ready(self.ready_timeout_s)
 
     def stop(self) -> int:
@@ -177,6 +181,7 @@ class Supervisor:
             action()
             recovery.ok = True
         except Exception as error:  # noqa: BLE001
+            recovery.error = f"{type(error).__name__}: {error}"
             if not restart_if_it_fails:
                 self.log(f"{name} failed ({type(error).__name__}: {error})")
                 recovery.ok = False
@@ -200,20 +205,25 @@ class Supervisor:
                 os.kill(pid, signal.SIGKILL)
         # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload. It runs on a
         # thread of its own while the server is watched: a tritonserver that dies during the load (seen: Triton's
-        # Python backend aborting on a lock the killed stub held) never answers it.
-        load = _in_background(lambda: reload_llm(self.http_url, timeout_s=self.recovery_timeout_s,
+        # Python backend aborting on a lock the killed stub held) never answers it. The load is given as long as a
+        # server's start (a big model, a busy machine), the new instance's first heartbeats as long as a recovery.
+        load = _in_background(lambda: reload_llm(self.http_url, timeout_s=self.ready_timeout_s,
                                                  supervisor_generation=len(self.recoveries)))
-        deadline = time.monotonic() + self.recovery_timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s + self.recovery_timeout_s
         while time.monotonic() < deadline:
             if problem := self._server_problem():
                 raise RuntimeError(f"{problem} while llm was reloaded")
             if load.done():
+                if load.exception() is not None and _exits_within(self.process, LOAD_FAILURE_GRACE_S):
+                    # A dying server drops the load's connection before it has exited (an abort writes its core).
+                    raise RuntimeError(f"tritonserver exited with code {self.process.returncode} while llm was "
+                                       f"reloaded ({load.exception()})")
                 load.result()  # the load's own error, if it failed
                 llm = [h for h in self.instances() if _model_of(h.instance) == RELOADABLE]
                 if llm and all(h.ok and h.pid not in dead for h in llm) and self.server_ready():
                     return
             time.sleep(0.1)
-        raise TimeoutError(f"llm was not serving again within {self.recovery_timeout_s:.0f} s")
+        raise TimeoutError(f"llm was not serving again within {self.ready_timeout_s + self.recovery_timeout_s:.0f} s")
 
     def _server_problem(self) -> str | None:
         """What a reload of llm cannot mend: tritonserver gone, or another model's process not ok."""
@@ -242,8 +252,12 @@ class Supervisor:
         if self.process is not None:
             # Short grace: requests through a dead process never finish, and a graceful stop would wait on them.
             _stop_process(self.process, timeout_s=self.restart_grace_s)
-        self.process = self.start_server()
+        self._start_server()
         self._wait_ready(self.ready_timeout_s)
+
+    def _start_server(self) -> None:
+        self.process = self.start_server()
+        self._heartbeat_dir = runtime_dir(self.process.pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -256,6 +270,14 @@ class Supervisor:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s")
+
+
+def _exits_within(process: subprocess.Popen, timeout_s: float) -> bool:
+    try:
+        process.wait(timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _in_background(call: Callable[[], object]) -> Future:
