@@ -229,3 +229,39 @@ def _raised(call) -> BaseException | None:
     except BaseException as error:  # noqa: BLE001 - the test looks at it
         return error
     return None
+
+
+def test_a_load_that_fails_as_the_server_dies_is_named_as_the_servers_exit(tmp_path, monkeypatch):
+    """A dying tritonserver drops the load's connection before its process has exited (an abort writes its core):
+    the reload's error names the server's exit, not the dropped connection, so /health says why it restarted."""
+    from python_backend.serving.heartbeat import RUNTIME_DIR_ENV
+
+    port = Ports.free().http
+    dying = ("import os, socket, time\n"
+             f"listener = socket.create_server(('127.0.0.1', {port}))\n"
+             "print('listening', flush=True)\n"
+             "connection, _ = listener.accept()\n"
+             "connection.close()\n"
+             "listener.close()\n"  # a client that connects again is refused
+             "time.sleep(3)\n"  # well within the supervisor's grace (5 s), long after the load has failed
+             "os._exit(134)\n")
+    started = []
+
+    def start():
+        started.append(subprocess.Popen([sys.executable, "-c", dying], stdout=subprocess.PIPE, text=True))
+        return started[-1]
+
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    supervisor = Supervisor(start, f"127.0.0.1:{port}", ["llm"])
+    try:
+        supervisor._start_server()
+        assert started[0].stdout.readline() == "listening\n"
+        folder = supervisor.heartbeat_dir()
+        folder.mkdir()
+        (folder / "llm_0_0.json").write_text(json.dumps({"pid": gone.pid, "time": time.time() + 600}))
+        error = _raised(supervisor._reload_llm)
+        assert isinstance(error, RuntimeError) and "tritonserver exited with code 134" in str(error), error
+    finally:
+        supervisor.stop()
