@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ from openai_api.batch.config import DATA_DIR_ENV
 from python_backend.model_files import MODEL_DIR_ENV
 from python_backend.serving.heartbeat import process_alive
 from scripts.clients.llm_client import GrpcClient, GrpcStreamClient, RequestError
-from scripts.launcher.processes import Ports
+from scripts.launcher.processes import Ports, stub_regions
 from scripts.launcher.triton_server import server_environment
 from tests.helpers import long_request
 
@@ -163,6 +164,8 @@ def reloaded(recovery: dict, fault: Fault) -> bool:
 
 def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(supervised):
     before = supervised.answer()
+    regions = stub_regions(supervised.health()[1]["instances"]["llm_0_0"]["pid"])
+    assert regions and all(Path("/dev/shm", region).exists() for region in regions)
     fault = signal_under_load(supervised, "llm_0_0", 8, signal.SIGKILL, timeout_s=RECOVERY_TIMEOUT_S)
     errors = fault.errors
     assert all(e is not None and e[0] and "llm model is not running" in e[0] for e in errors), errors
@@ -171,6 +174,7 @@ def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(s
     assert all(f"process {fault.pid} is gone" in e[0] for e in errors), errors
     assert 503 in fault.seen, "readiness turned not-ready while the llm process was dead"
     assert reloaded(fault.health["recoveries"][-1], fault), fault.health["recoveries"]
+    assert not any(Path("/dev/shm", region).exists() for region in regions), "Triton leaves a dead stub's memory"
     assert supervised.answer() == before, "the same prompt is served exactly again"
     print(f"llm killed: {len(errors)} requests failed within {max(e[1] for e in errors):.2f} s, "
           f"ready again after {fault.recovered_after:.1f} s")
@@ -178,6 +182,7 @@ def test_a_killed_llm_process_fails_requests_in_flight_at_once_and_is_reloaded(s
 
 def test_a_killed_front_process_restarts_the_server(supervised):
     before = supervised.answer()
+    regions = stub_regions(supervised.health()[1]["instances"]["ensemble_0_0"]["pid"])
     fault = signal_under_load(supervised, "ensemble_0_0", 4, signal.SIGKILL, timeout_s=RECOVERY_TIMEOUT_S)
     errors = fault.errors
     assert all(e is not None and e[0] for e in errors), errors
@@ -186,6 +191,7 @@ def test_a_killed_front_process_restarts_the_server(supervised):
     assert 503 in fault.seen or None in fault.seen, "readiness turned not-ready while the front process was dead"
     assert fault.health["server_pid"] != fault.server_pid
     assert fault.health["recoveries"][-1]["action"] == "restart tritonserver"
+    assert regions and not any(Path("/dev/shm", region).exists() for region in regions), "the dead stub's memory"
     assert supervised.answer() == before
     print(f"front killed: {len(errors)} requests ended within {max(e[1] for e in errors):.2f} s "
           f"({errors[0][0][:80]}), ready again after {fault.recovered_after:.1f} s")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from python_backend.serving.heartbeat import runtime_dir
 
+SHM_REGION_PREFIX = b"triton_python_backend_shm_region"
+
 
 @dataclass(frozen=True)
 class Ports:
@@ -49,8 +51,7 @@ def stop(process: subprocess.Popen, timeout_s: float = 20) -> None:
     for pid, regions in stubs.items():
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        for region in regions:
-            Path("/dev/shm", region).unlink(missing_ok=True)
+        remove_regions(regions)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -77,12 +78,27 @@ def stub_processes(server_pid: int) -> dict[int, list[str]]:
             continue
         if not (args and args[0].endswith(b"triton_python_backend_stub")) or "State:\tZ" in status:
             continue
-        regions = [i for i, a in enumerate(args) if a.startswith(b"triton_python_backend_shm_region")]
+        regions = [i for i, a in enumerate(args) if a.startswith(SHM_REGION_PREFIX)]
         parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
         names_server = bool(regions) and len(args) > regions[0] + 3 and args[regions[0] + 3] == str(server_pid).encode()
         if parent == str(server_pid) or names_server:
             stubs[int(cmdline.parent.name)] = [args[i].decode() for i in regions]
     return stubs
+
+
+def stub_regions(pid: int) -> list[str]:
+    """The shared-memory regions a running stub names on its command line (none once it is gone: read it before)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+    return [a.decode() for a in args if a.startswith(SHM_REGION_PREFIX)]
+
+
+def remove_regions(regions: list[str]) -> None:
+    """Unlinks these regions from /dev/shm: a process that still maps one keeps its memory until it unmaps it."""
+    for region in regions:
+        Path("/dev/shm", region).unlink(missing_ok=True)
 
 
 def process_with_argument(argument: str) -> int | None:

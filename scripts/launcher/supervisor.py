@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from python_backend.serving.heartbeat import STALE_S, STALL_S, InstanceHealth, process_alive, read_health, runtime_dir
 from scripts.launcher.model_control import reload_llm
-from scripts.launcher.processes import stop, terminate
+from scripts.launcher.processes import remove_regions, stop, stub_regions, terminate
 
 API_STOP_S = 10  # SIGTERM, then SIGKILL: uvicorn gives open streams a few seconds
 MAX_API_BACKOFF_S = 60
@@ -80,6 +80,9 @@ class Supervisor:
     def __post_init__(self):
         self.process: subprocess.Popen | None = None
         self._heartbeat_dir: Path | None = None
+        # Each model process's shared-memory regions, read while it runs: Triton leaves a killed stub's region in
+        # /dev/shm (1 MB or more each time), and once the process is gone its command line no longer names it.
+        self._stub_regions: dict[int, list[str]] = {}
         self.api: subprocess.Popen | None = None
         self._api_failures = 0  # restarts of the API in a row that failed: the next waits 2^n s (at most a minute)
         self._api_retry_at = 0.0
@@ -97,7 +100,11 @@ class Supervisor:
         folder = self.heartbeat_dir()
         if folder is None or not folder.is_dir():
             return []
-        return read_health(folder, stale_s=self.stale_s, stall_s=self.stall_s)
+        instances = read_health(folder, stale_s=self.stale_s, stall_s=self.stall_s)
+        for h in instances:
+            if h.ok and h.pid not in self._stub_regions:
+                self._stub_regions[h.pid] = stub_regions(h.pid)
+        return instances
 
     def server_ready(self) -> bool:
         return _runs_and_answers(self.process, f"http://{self.http_url}/v2/health/ready")
@@ -139,7 +146,9 @@ class Supervisor:
         with self._lock:
             if self.api is not None and self.api.poll() is None:
                 terminate(self.api, API_STOP_S)
-            return _stop_process(self.process) if self.process else 0
+            code = _stop_process(self.process) if self.process else 0
+            self._remove_stub_regions()
+            return code
 
     def check(self) -> None:
         """One look; recovers what it finds broken."""
@@ -203,6 +212,7 @@ class Supervisor:
             # ends: loading a model takes seconds, the front looks every 0.25 s).
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+            remove_regions(self._stub_regions.pop(pid, []))
         # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload. It runs on a
         # thread of its own while the server is watched: a tritonserver that dies during the load (seen: Triton's
         # Python backend aborting on a lock the killed stub held) never answers it. The load is given as long as a
@@ -252,8 +262,14 @@ class Supervisor:
         if self.process is not None:
             # Short grace: requests through a dead process never finish, and a graceful stop would wait on them.
             _stop_process(self.process, timeout_s=self.restart_grace_s)
+            self._remove_stub_regions()
         self._start_server()
         self._wait_ready(self.ready_timeout_s)
+
+    def _remove_stub_regions(self) -> None:
+        """Those of the stopped server's processes (stop() removes the running ones')."""
+        remove_regions([region for regions in self._stub_regions.values() for region in regions])
+        self._stub_regions.clear()
 
     def _start_server(self) -> None:
         self.process = self.start_server()
