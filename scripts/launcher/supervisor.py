@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -82,7 +83,9 @@ class Supervisor:
         self._heartbeat_dir: Path | None = None
         # Each model process's shared-memory regions, read while it runs: Triton leaves a killed stub's region in
         # /dev/shm (1 MB or more each time), and once the process is gone its command line no longer names it.
+        # Filled by whoever reads the instances (the health endpoint's threads too), hence its own lock.
         self._stub_regions: dict[int, list[str]] = {}
+        self._regions_lock = threading.Lock()
         self.api: subprocess.Popen | None = None
         self._api_failures = 0  # restarts of the API in a row that failed: the next waits 2^n s (at most a minute)
         self._api_retry_at = 0.0
@@ -101,9 +104,10 @@ class Supervisor:
         if folder is None or not folder.is_dir():
             return []
         instances = read_health(folder, stale_s=self.stale_s, stall_s=self.stall_s)
-        for h in instances:
-            if h.ok and h.pid not in self._stub_regions:
-                self._stub_regions[h.pid] = stub_regions(h.pid)
+        with self._regions_lock:
+            for h in instances:
+                if h.ok and h.pid not in self._stub_regions:
+                    self._stub_regions[h.pid] = stub_regions(h.pid)
         return instances
 
     def server_ready(self) -> bool:
@@ -147,7 +151,7 @@ class Supervisor:
             if self.api is not None and self.api.poll() is None:
                 terminate(self.api, API_STOP_S)
             code = _stop_process(self.process) if self.process else 0
-            self._remove_stub_regions()
+            self._clean_up_after_server()
             return code
 
     def check(self) -> None:
@@ -212,7 +216,8 @@ class Supervisor:
             # ends: loading a model takes seconds, the front looks every 0.25 s).
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-            remove_regions(self._stub_regions.pop(pid, []))
+            with self._regions_lock:
+                remove_regions(self._stub_regions.pop(pid, []))
         # A load of an unchanged model is a no-op in Triton: a changed parameter makes it a real reload. It runs on a
         # thread of its own while the server is watched: a tritonserver that dies during the load (seen: Triton's
         # Python backend aborting on a lock the killed stub held) never answers it. The load is given as long as a
@@ -262,14 +267,18 @@ class Supervisor:
         if self.process is not None:
             # Short grace: requests through a dead process never finish, and a graceful stop would wait on them.
             _stop_process(self.process, timeout_s=self.restart_grace_s)
-            self._remove_stub_regions()
+            self._clean_up_after_server()
         self._start_server()
         self._wait_ready(self.ready_timeout_s)
 
-    def _remove_stub_regions(self) -> None:
-        """Those of the stopped server's processes (stop() removes the running ones')."""
-        remove_regions([region for regions in self._stub_regions.values() for region in regions])
-        self._stub_regions.clear()
+    def _clean_up_after_server(self) -> None:
+        """The stopped server's dead processes' regions (stop() removes the running ones') and its heartbeat folder
+        (stop() cannot name it once the server has been reaped)."""
+        with self._regions_lock:
+            remove_regions([region for regions in self._stub_regions.values() for region in regions])
+            self._stub_regions.clear()
+        if self._heartbeat_dir is not None:
+            shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
 
     def _start_server(self) -> None:
         self.process = self.start_server()
