@@ -4,8 +4,8 @@ Triton does not notice when a Python stub process dies: its own readiness endpoi
 requests in flight through a dead stub never end. So each of this project's model instances writes a small
 heartbeat file (its pid, the time, and the engine's progress for the llm model) every half second, into a folder
 that belongs to one tritonserver process. The front model reads the llm model's heartbeat to fail its own requests
-at once when the llm process is gone; the supervisor (scripts/launcher/supervisor.py) reads all of them for readiness and
-recovery.
+at once when the llm process is gone; the supervisor (scripts/launcher/supervisor.py) reads all of them for readiness
+and recovery.
 
 A process that is gone (or a zombie) is dead at once; a heartbeat that stopped for ``stale_s`` although the process
 exists (stopped, or starved) and an engine that has work but made no progress for ``stall_s`` count as stalled."""
@@ -44,21 +44,23 @@ def runtime_dir(server_pid: int | None = None) -> Path:
 
 def process_start_ticks(pid: int) -> int | None:
     """When the process started, in clock ticks since boot (/proc/<pid>/stat's 22nd field); None if it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the 3rd (the state) on, after the command's name, which may hold spaces; None
+    once the process is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[-1].split()[19])  # fields from the 3rd (state) on, after the command's name
 
 
 def process_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (a killed stub stays a zombie until Triton reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    return state not in ("Z", "X")
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 class Heartbeat:
