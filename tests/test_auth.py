@@ -2,12 +2,13 @@
 the real front in front of the int4 server, where each key finds only its own cached prefixes (tests/test_batch_api.py
 checks the 401s and the owners of files and batches on a real front)."""
 
-import openai
 import pytest
 
 from openai_api.auth import KEYS_ENV, KEYS_FILE_ENV, keys_from_environment, owner_of, tenant_salt
 from scripts.launcher.openai_server import running_openai_api
-from tests.helpers import variant_folder, wait_idle
+from tests.helpers import lazy_module, variant_folder, wait_idle
+
+openai = lazy_module("openai")
 
 
 def test_keys_come_from_the_variable_and_from_a_mounted_file(tmp_path):

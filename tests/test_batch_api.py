@@ -13,14 +13,15 @@ import urllib.error
 import urllib.request
 
 import jsonschema
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_api.batch.store import Store
 from scripts.launcher.openai_server import running_openai_api, start_openai_api
 from scripts.launcher.processes import terminate
-from tests.helpers import CITY, WEATHER, metrics, wait_for, wait_idle
+from tests.helpers import CITY, WEATHER, lazy_module, metrics, wait_for, wait_idle
+
+openai = lazy_module("openai")
 
 pytestmark = pytest.mark.server
 
@@ -39,7 +40,6 @@ KILLED_BATCH = 20  # every line runs, before the kill or after the restart: 12 l
 TWO_IN_FLIGHT = ("--batch-concurrency", "2")
 KILL_AFTER = 8  # lines done: then a restart that ran every line again would start 8 sequences too many
 QUESTIONS = ["Name a primary color.", "What is the capital of France?", "Say hello.", "Count to three."]
-NO_KEY = {"Authorization": openai.omit}  # per request: the client sends no Authorization header at all
 
 
 # --- helpers ---
@@ -469,7 +469,8 @@ def keyed_front(server, model_dir, tmp_path_factory):
 
 def test_without_a_valid_key_every_v1_route_is_401_and_health_and_metrics_stay_open(keyed_front):
     wrong = client_for(keyed_front, "key-c")
-    for headers in (NO_KEY, None):
+    no_key = {"Authorization": openai.omit}  # per request: the client sends no Authorization header at all
+    for headers in (no_key, None):
         calls = [lambda: wrong.models.list(extra_headers=headers),
                  # a body that would be a 400 with a key: the key is checked first
                  lambda: wrong.chat.completions.create(model="nope", messages=[], max_tokens=-1,

@@ -8,7 +8,6 @@ import shutil
 import threading
 from pathlib import Path
 
-import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -20,7 +19,9 @@ from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.server_metrics import read_metrics
 from scripts.launcher.triton_server import running_server
 from scripts.paths import MODEL_REPOSITORY
-from tests.helpers import NO_EOS, wait_for
+from tests.helpers import NO_EOS, lazy_module, wait_for
+
+openai = lazy_module("openai")
 
 pytestmark = pytest.mark.server
 

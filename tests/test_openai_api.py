@@ -11,13 +11,14 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler
 
-import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from openai_api.app import ServiceConfig, create_app
-from tests.helpers import LEFTOVER_TOKENS, hf_greedy, http_stub, metrics, wait_for, wait_idle
+from tests.helpers import LEFTOVER_TOKENS, hf_greedy, http_stub, lazy_module, metrics, wait_for, wait_idle
+
+openai = lazy_module("openai")
 
 pytestmark = pytest.mark.server
 

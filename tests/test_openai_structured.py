@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
-from tests.helpers import CITY, WEATHER
+from tests.helpers import CITY, WEATHER, lazy_module
+
+openai = lazy_module("openai")
 
 pytestmark = pytest.mark.server
 

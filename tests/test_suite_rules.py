@@ -80,3 +80,20 @@ def test_the_longest_files_named_first_exist_and_run_first():
     longest_first(items)
     assert [(item.path.name, item.order) for item in items] == [
         (LONGEST_FIRST[0], 3), (LONGEST_FIRST[1], 1), (LONGEST_FIRST[1], 4), ("test_a.py", 0), ("test_a.py", 2)]
+
+
+def test_a_lazy_module_is_imported_by_the_test_that_uses_it_not_by_collection():
+    """pytest probes every name of a file it collects (`_mock_name`, `__wrapped__`): a lazy module answers those
+    without an import, so openai and Ray Data stay out of the workers that run none of their tests."""
+    import importlib
+    import inspect
+    import sys
+
+    from tests.helpers import lazy_module
+
+    name = "mailbox"  # a standard module that nothing here imports
+    assert name not in sys.modules
+    module = lazy_module(name)
+    assert getattr(module, "_mock_name", None) is None and inspect.unwrap(module) is module
+    assert name not in sys.modules, "a probe imported it"
+    assert module.Maildir is importlib.import_module(name).Maildir
