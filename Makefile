@@ -43,8 +43,9 @@ UV := $(UV_VENV)/bin/uv
 ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 endif
-# $(1): the venv's folder, made with pip in it (users' `.venv/bin/pip install ...` still works)
-make_venv = $(UV) venv --quiet --seed --python $(PYTHON) $(1)
+# $(1): the venv's folder, made with pip in it (users' `.venv/bin/pip install ...` still works); one already there
+# is kept and installed over, as python -m venv did
+make_venv = $(UV) venv --quiet --seed --allow-existing --python $(PYTHON) $(1)
 # $(1): the venv's folder; the rest of the line says what to install
 uv_install = $(UV) pip install --quiet --python $(1)/bin/python
 
