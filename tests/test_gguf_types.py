@@ -216,6 +216,30 @@ def test_a_file_is_parsed_once_while_it_is_unchanged(tmp_path):
     assert open_gguf(path) is not first
 
 
+def test_the_export_parses_a_file_once_and_builds_a_table_of_tensor_names_once(tmp_path, monkeypatch):
+    """The export's look at the file's config before any work (refusal) is the file's one parse, which loading it
+    reads again; within parsed_once, gguf's table of tensor names (which transformers builds once per submodule as it
+    maps the weights) is built once per architecture and depth."""
+    import gguf
+
+    from scripts.prepare import export_onnx
+    from scripts.prepare.gguf_reader import parsed_once
+
+    path = small_gguf(tmp_path / "small.gguf", {"blk.0.ffn_up.weight": "Q4_0"})
+    parses = []
+    parse = gguf.gguf_reader.GGUFReader.__init__
+    monkeypatch.setattr(gguf.gguf_reader.GGUFReader, "__init__",
+                        lambda self, *args, **kwargs: parses.append(args[0]) or parse(self, *args, **kwargs))
+    assert export_onnx.refusal(path) is None
+    with parsed_once():  # as load_source reads it
+        gguf.GGUFReader(path)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+        assert names.get_name("model.layers.1.mlp.up_proj") == "blk.1.ffn_up"
+    assert len(parses) == 1, parses
+    assert gguf.get_tensor_name_map is gguf.tensor_mapping.get_tensor_name_map
+
+
 @pytest.fixture(scope="session")
 def mixed_int4(mixed_gguf, tmp_path_factory) -> Path:
     """`make model SOURCE=tiny.mixed.gguf QUANT=int4`: the fp32 export, then the exact variant with its parity check

@@ -82,9 +82,12 @@ def refusal(source: Path) -> str | None:
     torch.export after minutes of loading, or, were they skipped, change every token."""
     from transformers import AutoConfig
 
+    from scripts.prepare.gguf_reader import parsed_once
+
     try:
-        config = (AutoConfig.from_pretrained(source.parent, gguf_file=source.name) if source.is_file()
-                  else AutoConfig.from_pretrained(source))
+        with parsed_once():  # the file's one parse, which loading it reads again
+            config = (AutoConfig.from_pretrained(source.parent, gguf_file=source.name) if source.is_file()
+                      else AutoConfig.from_pretrained(source))
     except (OSError, ValueError, KeyError):
         return None  # loading the model itself will say what is wrong
     if config.model_type in ATTENTION_SINK_MODELS:
