@@ -271,3 +271,17 @@ def test_the_runtime_benchmark_compares_runtimes_on_the_same_tokens(decoder, tin
     assert "x1.00" in rows["onnxruntime"]
     assert rows["onnxruntime+io_binding"].endswith("| True |"), "the device path gives the host path's tokens"
     assert rows["onnxruntime-cuda"].endswith("| False |"), "a runtime that gives other tokens is reported"
+
+
+def test_the_sampling_benchmark_runs_every_row_to_max_tokens_greedy_and_really_sampled(tiny_dir, capsys):
+    from scripts.bench import sampling_benchmark
+
+    fp32 = variant_folder(tiny_dir, "fp32")
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    greedy, _ = sampling_benchmark.run(cpu_decoder(fp32 / ONNX_FILE), prompts, 6, sampled=False)
+    sampled, _ = sampling_benchmark.run(cpu_decoder(fp32 / ONNX_FILE), prompts, 6, sampled=True)
+    assert [len(ids) for ids in greedy + sampled] == [6] * 4
+    assert sampled != greedy, "the sampled rows are sampled"
+    assert sampling_benchmark.main(["--model-dir", str(fp32), "--requests", "2", "--max-tokens", "4",
+                                    "--repeats", "1"]) == 0
+    assert "2 rows x 4 tokens" in capsys.readouterr().out

@@ -41,6 +41,48 @@ def test_top_k_one_and_tiny_top_p_are_argmax_even_when_sampling():
         assert {chooser.choose(LOGITS, []) for _ in range(50)} == {1}
 
 
+def _top_p_by_sorting_everything(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The definition: the smallest prefix of the whole vocabulary, most likely first (ties by token id), whose mass
+    reaches top_p, renormalized."""
+    order = np.argsort(-probs, kind="stable")
+    keep = order[np.cumsum(probs[order]) - probs[order] < top_p]
+    filtered = np.zeros_like(probs)
+    filtered[keep] = probs[keep]
+    return filtered / filtered.sum()
+
+
+def _normalized(weights: np.ndarray) -> np.ndarray:
+    return weights / weights.sum()
+
+
+def test_top_p_keeps_exactly_the_prefix_that_sorting_the_whole_vocabulary_keeps():
+    """top_p sorts only the tokens that can be kept: the same kept tokens, bit for bit the same probabilities (so a
+    seed draws the same tokens), on peaked, flat, tied and top_k-truncated rows, and where a kept token is barely more
+    likely than the ones left out (a head just short of top_p, then a long tail of equal tokens)."""
+    from python_backend.engine.sampling import _top_p_filter
+
+    rng = np.random.default_rng(0)
+    vocab = 49152
+    peaked = rng.normal(0, 3, vocab)
+    peaked[17] += 15
+    truncated = np.where(np.arange(vocab) % 7 == 0, rng.normal(0, 1, vocab), -np.inf)
+    rows = {
+        "peaked": _normalized(np.exp(peaked - peaked.max())),
+        "heavy-tailed": _normalized(np.exp(rng.standard_t(3, vocab) * 2.5)),
+        "flat": _normalized(np.exp(rng.normal(0, 0.01, vocab))),
+        "tied": _normalized(np.exp(np.round(rng.normal(0, 1, vocab), 1))),
+        "top_k-truncated": _normalized(np.exp(truncated - truncated.max())),
+        # top_p 0.9: the head holds 0.899, and about 490 tail tokens of 2.05e-6 each are kept after it
+        "head and long tail": np.r_[0.899, np.full(vocab - 1, 0.101 / (vocab - 1))],
+    }
+    for name, probs in rows.items():
+        for top_p in (0.5, 0.9, 0.95, 0.999999, 1 - 1e-12):
+            expected = _top_p_by_sorting_everything(probs, top_p)
+            assert np.array_equal(_top_p_filter(probs, top_p), expected), (name, top_p)
+    kept = np.count_nonzero(_top_p_filter(rows["head and long tail"], 0.9))
+    assert 400 < kept < 600, kept
+
+
 def test_top_k_limits_the_candidates():
     chooser = TokenChooser(SamplingParams(max_tokens=1, temperature=100.0, top_k=2, seed=0))
     assert {chooser.choose(LOGITS, []) for _ in range(200)} == {1, 2}

@@ -168,8 +168,18 @@ def _apply_repetition_penalty(logits: np.ndarray, ids: np.ndarray, penalty: floa
     return logits
 
 
+# Below this margin (top_p within 2e-9 of 1) rounding in the sums could matter: the whole vocabulary is sorted.
+_TOP_P_MARGIN = 1e-9
+
+
 def _top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
-    order = np.argsort(-probs, kind="stable")
+    # Only the tokens at least this likely can be kept: those below it hold less than half of 1 - top_p in all, so the
+    # tokens ahead of them already reach top_p. Sorting these alone gives the same prefix, in the same order and with
+    # the same sums, as sorting the whole vocabulary, which took most of a sampled token's time (a few hundred of
+    # SmolLM2's 49,152 tokens at temperature 0.8).
+    margin = (1.0 - top_p) / 2
+    candidates = np.flatnonzero(probs >= margin / probs.size) if margin >= _TOP_P_MARGIN else np.arange(probs.size)
+    order = candidates[np.argsort(-probs[candidates], kind="stable")]
     cumulative = np.cumsum(probs[order])
     # Keep the smallest prefix whose mass reaches top_p (always at least one token).
     keep = cumulative - probs[order] < top_p
