@@ -175,8 +175,8 @@ _TOP_P_MARGIN = 1e-9
 def _top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
     # Only the tokens at least this likely can be kept: those below it hold less than half of 1 - top_p in all, so the
     # tokens ahead of them already reach top_p. Sorting these alone gives the same prefix, in the same order and with
-    # the same sums, as sorting the whole vocabulary, which took most of a sampled token's time (a few hundred of
-    # SmolLM2's 49,152 tokens at temperature 0.8).
+    # the same sums, as sorting the whole vocabulary, which took most of a sampled token's time (1 to 2,624 of
+    # SmolLM2's 49,152 tokens on 24 rows of its logits at temperature 0.8 and top_p 0.95, 6 or fewer on most).
     margin = (1.0 - top_p) / 2
     candidates = np.flatnonzero(probs >= margin / probs.size) if margin >= _TOP_P_MARGIN else np.arange(probs.size)
     order = candidates[np.argsort(-probs[candidates], kind="stable")]
