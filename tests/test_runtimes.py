@@ -277,9 +277,9 @@ def test_the_sampling_benchmark_runs_every_row_to_max_tokens_greedy_and_really_s
     from scripts.bench import sampling_benchmark
 
     fp32 = variant_folder(tiny_dir, "fp32")
-    prompts = [[1, 2, 3, 4], [5, 6, 7]]
-    greedy, _ = sampling_benchmark.run(cpu_decoder(fp32 / ONNX_FILE), prompts, 6, sampled=False)
-    sampled, _ = sampling_benchmark.run(cpu_decoder(fp32 / ONNX_FILE), prompts, 6, sampled=True)
+    prompts, decoder = [[1, 2, 3, 4], [5, 6, 7]], cpu_decoder(fp32 / ONNX_FILE)
+    greedy, _ = sampling_benchmark.run(decoder, prompts, 6, sampled=False)
+    sampled, _ = sampling_benchmark.run(decoder, prompts, 6, sampled=True)
     assert [len(ids) for ids in greedy + sampled] == [6] * 4
     assert sampled != greedy, "the sampled rows are sampled"
     assert sampling_benchmark.main(["--model-dir", str(fp32), "--requests", "2", "--max-tokens", "4",

@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from scripts.launcher.processes import stat_fields
+
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # (what the command line contains, the kind), the first that matches
 KINDS = [
@@ -49,11 +51,10 @@ def snapshot() -> dict[tuple[int, int], tuple[int, str, float]]:
     seen = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat_fields(Path(f"/proc/{pid}/stat").read_text())
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
         parent, user, system, start = int(fields[1]), int(fields[11]), int(fields[12]), int(fields[19])
         seen[(int(pid), start)] = (parent, command.strip(), (user + system) / TICKS_PER_S)
     return seen

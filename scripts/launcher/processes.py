@@ -112,12 +112,18 @@ def process_with_argument(argument: str) -> int | None:
     return None
 
 
+def stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat text after the command's name (which may hold spaces and parentheses): state,
+    parent pid, ... (proc(5)'s fields from the third on)."""
+    return stat.rsplit(")", 1)[1].split()
+
+
 def zombie_children(pid: int) -> dict[int, str]:
     """The children of process pid that died unreaped -> how each ended (its status stays in /proc until reaped)."""
     zombies = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(stat.read_text())
         except (OSError, ValueError):
             continue
         if fields[1] == str(pid) and fields[0] == "Z":
