@@ -7,8 +7,9 @@ from scripts.bench import process_cpu
 
 def test_the_cpu_of_a_command_and_the_processes_it_starts_is_counted_by_kind(capsys):
     """The command (a `python -c`) starts another that burns 0.8 CPU-s: both are counted, and nothing else that runs
-    on the machine meanwhile."""
-    burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.8: pass\ntime.sleep(0.3)"
+    on the machine meanwhile. The burner then idles for 40 of the sampler's intervals, so that a reading after its
+    burn comes on a loaded machine too."""
+    burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.8: pass\ntime.sleep(2)"
     parent = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}], check=True)"
     assert process_cpu.main(["--interval", "0.05", "--", sys.executable, "-c", parent]) == 0
     lines = capsys.readouterr().out.splitlines()
