@@ -173,7 +173,7 @@ def test_the_files_rows_are_found_whatever_their_order(tmp_path):
     by value. A matrix with rows of two grid layouts (4-bit blocks of 32, Q6_K's 6-bit blocks of 16) comes in runs of
     columns; one with an unknown row has no grid. (A file of these tensors as the mixed model's file has them, and
     two of other types beside them whose rows must not be found.)"""
-    from scripts.prepare.gguf_reader import open_gguf
+    from scripts.prepare.gguf_tensors import read_tensors
 
     path = small_gguf(tmp_path / "rows.gguf", {"blk.0.attn_k.weight": "Q4_0", "blk.0.attn_q.weight": "Q4_0",
                                                "blk.1.attn_q.weight": "Q4_1", "blk.2.attn_q.weight": "Q4_K",
@@ -184,7 +184,7 @@ def test_the_files_rows_are_found_whatever_their_order(tmp_path):
                             "blk.3.attn_q.weight": 256})
     grids = FileGrids(path)
     tensors = {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
-               for t in open_gguf(path).tensors if t.name.startswith("blk.")}
+               for t in read_tensors(path) if t.name.startswith("blk.")}
     packed = np.concatenate([tensors["blk.0.attn_k.weight"][::-1], tensors["blk.1.attn_q.weight"]])
     match = grids.match(packed.T)
     assert match.grid is not None and dict(match.types) == {"Q4_0": 128, "Q4_1": 256}
@@ -196,6 +196,41 @@ def test_the_files_rows_are_found_whatever_their_order(tmp_path):
     assert np.array_equal(mixed.grid_of(slice(0, 256)).values(), tensors["blk.2.attn_q.weight"])
     unknown = grids.match(np.concatenate([tensors["blk.0.attn_q.weight"], np.ones((1, 256), np.float32)]).T)
     assert unknown.grid is None and unknown.missing == 1
+
+
+def test_the_tensor_table_is_read_past_every_kind_of_metadata_as_gguf_reads_it(tmp_path):
+    """gguf_tensors steps over the metadata unparsed: every value type, arrays of strings, of numbers and of arrays,
+    and an alignment of its own (the data's start) leave its tensors where gguf's GGUFReader finds them (the served
+    model's file: tests/test_source_grid.py)."""
+    import gguf
+
+    from scripts.prepare.gguf_tensors import read_tensors
+
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(4096)  # longer than the header: the default 32 would look for the data too early
+    for kind, value in [("uint8", 1), ("int8", -2), ("uint16", 3), ("int16", -4), ("uint32", 5), ("int32", -6),
+                        ("float32", 0.5), ("bool", True), ("uint64", 2**40), ("int64", -(2**40)), ("float64", 0.25),
+                        ("string", "ünïcode")]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_token_list(["<s>", "é", "a b", ""])
+    writer.add_array("test.ints", [1, 2, 3])
+    writer.add_array("test.nested", [[1, 2], ["x", "yz"]])
+    for seed, (name, kind) in enumerate({"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_up.weight": "Q6_K",
+                                         "output_norm.weight": "F32", "blk.1.ffn_up.weight": "F16",
+                                         "blk.1.attn_q.weight": "Q8_0"}.items()):
+        values = weights(1 if kind == "F32" else 3, 256, seed)
+        writer.add_tensor(name, gguf_files.encode(values, kind), raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    mine, theirs = read_tensors(path), gguf.GGUFReader(path).tensors
+    assert [t.name for t in mine] == [t.name for t in theirs]
+    for ours, gguf_s in zip(mine, theirs):
+        assert (ours.tensor_type, ours.shape) == (gguf_s.tensor_type, tuple(int(d) for d in gguf_s.shape)), ours.name
+        assert ours.data.dtype == gguf_s.data.dtype and ours.data.shape == gguf_s.data.shape, ours.name
+        assert np.array_equal(ours.data, gguf_s.data), ours.name
 
 
 def test_a_file_is_parsed_once_while_it_is_unchanged(tmp_path):

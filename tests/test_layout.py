@@ -5,6 +5,7 @@ tests/conftest.py's check of the `server` marker sees every way a test starts a 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import textwrap
@@ -42,6 +43,7 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # the source is read once for the tests that look at it (not to be changed by them)
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}

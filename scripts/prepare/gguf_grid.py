@@ -156,14 +156,14 @@ class FileGrids:
     def __init__(self, path: Path):
         from gguf.quants import dequantize
 
-        from scripts.prepare.gguf_reader import open_gguf
+        from scripts.prepare.gguf_tensors import read_tensors
 
         self.path = Path(path)
         self.types: Counter = Counter()
         self._tensors = []  # (type name, raw data, cols)
         self._rows: dict[bytes, tuple[int, int]] = {}
         self._grids: dict[int, Grid] = {}
-        for tensor in open_gguf(path).tensors:
+        for tensor in read_tensors(path):
             if not tensor.name.startswith("blk.") or len(tensor.shape) != 2:
                 continue
             kind = tensor.tensor_type.name

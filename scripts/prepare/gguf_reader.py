@@ -2,7 +2,8 @@
 tokenizer's vocabulary and merges among them (about 100k strings for SmolLM2: 3-4 s on a 2-core machine), and
 transformers opens the file four times to load one model (its config twice, the tokenizer, the weights). It also
 builds gguf's table of tensor names once per submodule of the model as it maps the weights (397 times for SmolLM2,
-about 5 s): within parsed_once() the table of an architecture and depth is built once."""
+about 5 s): within parsed_once() the table of an architecture and depth is built once. What needs only the tensors
+reads them without the metadata (gguf_tensors.py)."""
 
 from __future__ import annotations
 

@@ -57,9 +57,9 @@ def off_grid_matrices(weights_dir: Path, bits: int, block_size: int) -> tuple[li
 
 def gguf_tensor_types(path: Path) -> Counter:
     """How many of a GGUF file's layer tensors ("blk.*") are of each type (Q4_K, Q6_K, ...), read from its header."""
-    from scripts.prepare.gguf_reader import open_gguf
+    from scripts.prepare.gguf_tensors import read_tensors
 
-    return Counter(t.tensor_type.name for t in open_gguf(path).tensors if t.name.startswith("blk."))
+    return Counter(t.tensor_type.name for t in read_tensors(path) if t.name.startswith("blk."))
 
 
 def refusal(weights_dir: Path, source: str, variant: str, bits: int, block_size: int) -> str | None:
