@@ -246,7 +246,8 @@ def _server_starters(module) -> frozenset[str]:
     nodes = {node.name: node for node in tree.body
              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     starters = {name for name, node in nodes.items() if _starts_one_itself(node)}
-    while grown := {name for name, node in nodes.items() if _names(node) & starters} - starters:
+    names = {name: _names(node) for name, node in nodes.items()}
+    while grown := {name for name in nodes if names[name] & starters} - starters:
         starters |= grown
     return frozenset(starters)
 

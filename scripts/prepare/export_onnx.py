@@ -21,8 +21,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-
+# torch and transformers' models are imported where they are used: an export that is up to date (every `make model`,
+# `make serve` and `make test` after the first) is told so in a moment, not after 6-7 s of importing them.
 from python_backend.engine.loop import generate  # noqa: E402
 from python_backend.engine.sampling import SamplingParams  # noqa: E402
 from python_backend.engine.sequence import Sequence  # noqa: E402
@@ -31,7 +31,7 @@ from python_backend.runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from python_backend.serving.tokenization import PromptTokenizer  # noqa: E402
 from scripts.eval.peft_reference import departure, greedy_with_runners_up  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
-from scripts.prepare import grouped_attention, variant_parity  # noqa: E402
+from scripts.prepare import variant_parity  # noqa: E402
 from scripts.prepare.build_marks import (EXPORT_MARK, mark_complete, source_fingerprint, start_fresh,  # noqa: E402
                                          up_to_date)
 
@@ -82,6 +82,7 @@ def refusal(source: Path) -> str | None:
     torch.export after minutes of loading, or, were they skipped, change every token."""
     from transformers import AutoConfig
 
+    from scripts.prepare import grouped_attention
     from scripts.prepare.gguf_reader import parsed_once
 
     try:
@@ -98,8 +99,10 @@ def refusal(source: Path) -> str | None:
 
 def load_source(source: Path, output: Path):
     """Returns (hf_dir, model, tokenizer). A GGUF file is dequantized once into output/hf."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from scripts.prepare import grouped_attention
     from scripts.prepare.gguf_reader import parsed_once
 
     if source.is_file():
@@ -121,71 +124,6 @@ def load_source(source: Path, output: Path):
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attention)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     return hf_dir, model.eval(), tokenizer
-
-
-class DecoderWithCache(torch.nn.Module):
-    """forward(input_ids, attention_mask, position_ids, logits_positions, k0, v0, k1, v1, ...) -> (logits of the
-    new positions listed in logits_positions, k0', v0', ...)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, logits_positions, *past):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
-        # Only the positions asked for go through the LM head: the last one to generate ([new - 1]: rows are
-        # left-padded), every one to score a prompt. Full-sequence logits of every prefill (batch x length x 49k
-        # vocab) would cost more than the prefill itself.
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=True, logits_to_keep=logits_positions,
-        )
-        present = []
-        for layer in out.cache.layers:
-            present += [layer.keys, layer.values]
-        return (out.logits, *present)
-
-
-def export_onnx(model, onnx_path: Path) -> None:
-    config = model.config
-    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Sample shapes avoid 0 and 1: export would specialize those dimensions.
-    batch, seq, past_len = 2, 3, 4
-    past = [torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
-    args = (
-        torch.ones(batch, seq, dtype=torch.int64),
-        torch.ones(batch, past_len + seq, dtype=torch.int64),
-        torch.arange(past_len, past_len + seq, dtype=torch.int64).repeat(batch, 1),
-        torch.arange(seq - 2, seq, dtype=torch.int64),
-        *past,
-    )
-    dyn = torch.export.Dim.DYNAMIC
-    dynamic_shapes = {
-        "input_ids": {0: dyn, 1: dyn},
-        "attention_mask": {0: dyn, 1: dyn},
-        "position_ids": {0: dyn, 1: dyn},
-        "logits_positions": {0: dyn},
-        "past": tuple({0: dyn, 2: dyn} for _ in past),
-    }
-    kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} (~2 min)")
-    with torch.no_grad():
-        torch.onnx.export(
-            DecoderWithCache(model).eval(),
-            args,
-            str(onnx_path),
-            input_names=["input_ids", "attention_mask", "position_ids", "logits_positions"]
-            + [f"past_key_values.{n}" for n in kv_names],
-            output_names=["logits"] + [f"present.{n}" for n in kv_names],
-            dynamic_shapes=dynamic_shapes,
-            dynamo=True,
-            external_data=True,
-            verbose=False,
-        )
 
 
 def write_settings(model, tokenizer, hf_dir: Path, output: Path, source: Path) -> list[int]:
@@ -324,13 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     if problem := refusal(source):
         log(f"cannot export {source}: {problem}")
         return 2
+    import torch
+
+    from scripts.prepare.traced_decoder import export_graph
+
     start_fresh(output)
     torch.manual_seed(0)
     hf_dir, model, tokenizer = load_source(source, output)
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
     references = references_beside(model, output)
     try:
-        export_onnx(model, output / ONNX_FILE)
+        export_graph(model, output / ONNX_FILE, log)
     except BaseException:
         if references is not None:  # not left computing for an export that failed
             references.kill()

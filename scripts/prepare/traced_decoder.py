@@ -1,0 +1,77 @@
+"""What the export traces: a transformers causal LM wrapped so that its KV cache is flat inputs and outputs, one pair
+of tensors per layer (past_key_values.N.key/value in, present.N.key/value out), and the logits only of the positions
+asked for; and the trace itself, torch.onnx.export(dynamo=True). scripts/prepare/export_onnx.py checks its parity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+class DecoderWithCache(torch.nn.Module):
+    """forward(input_ids, attention_mask, position_ids, logits_positions, k0, v0, k1, v1, ...) -> (logits of the
+    new positions listed in logits_positions, k0', v0', ...)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_positions, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
+        # Only the positions asked for go through the LM head: the last one to generate ([new - 1]: rows are
+        # left-padded), every one to score a prompt. Full-sequence logits of every prefill (batch x length x 49k
+        # vocab) would cost more than the prefill itself.
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=True, logits_to_keep=logits_positions,
+        )
+        present = []
+        for layer in out.cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> None:
+    """The model traced by torch.onnx.export (dynamo) into onnx_path, its weights in an external data file beside it:
+    batch, sequence and past lengths dynamic."""
+    config = model.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Sample shapes avoid 0 and 1: export would specialize those dimensions.
+    batch, seq, past_len = 2, 3, 4
+    past = [torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
+    args = (
+        torch.ones(batch, seq, dtype=torch.int64),
+        torch.ones(batch, past_len + seq, dtype=torch.int64),
+        torch.arange(past_len, past_len + seq, dtype=torch.int64).repeat(batch, 1),
+        torch.arange(seq - 2, seq, dtype=torch.int64),
+        *past,
+    )
+    dyn = torch.export.Dim.DYNAMIC
+    dynamic_shapes = {
+        "input_ids": {0: dyn, 1: dyn},
+        "attention_mask": {0: dyn, 1: dyn},
+        "position_ids": {0: dyn, 1: dyn},
+        "logits_positions": {0: dyn},
+        "past": tuple({0: dyn, 2: dyn} for _ in past),
+    }
+    kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} (~2 min)")
+    with torch.no_grad():
+        torch.onnx.export(
+            DecoderWithCache(model).eval(),
+            args,
+            str(onnx_path),
+            input_names=["input_ids", "attention_mask", "position_ids", "logits_positions"]
+            + [f"past_key_values.{n}" for n in kv_names],
+            output_names=["logits"] + [f"present.{n}" for n in kv_names],
+            dynamic_shapes=dynamic_shapes,
+            dynamo=True,
+            external_data=True,
+            verbose=False,
+        )
