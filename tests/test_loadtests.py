@@ -26,7 +26,7 @@ from loadtests.endpoints import (EndpointError, RequestFailed, chat_deltas, erro
 from loadtests.perf_inputs import (GENAI_PERF_FILE, PERF_ANALYZER_FILE, check_perf_analyzer_data,
                                    genai_perf_lines, main as perf_inputs_main)
 from loadtests.workload import MaxTokens, Workload, chat_request, load_prompts
-from scripts.launcher.processes import Ports
+from scripts.launcher.processes import Ports, free_loopback_port
 from scripts.paths import PROJECT_ROOT
 
 LOCUSTFILE = PROJECT_ROOT / "loadtests" / "locustfile.py"
@@ -205,12 +205,10 @@ def test_quick_sweep_writes_sane_results_plots_and_report(quick_sweep):
 def _free_port_pair() -> int:
     """A loopback port P with P + 1 free too, for a server laid out as Triton's convention (gRPC = HTTP + 1)."""
     for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with suppress(OSError):
-                second.bind(("127.0.0.1", port + 1))
-                return port
+        port = free_loopback_port()
+        with socket.socket() as second, suppress(OSError):
+            second.bind(("127.0.0.1", port + 1))
+            return port
     raise RuntimeError("no two consecutive free ports")
 
 

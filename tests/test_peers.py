@@ -14,6 +14,7 @@ import pytest
 
 from scripts.bench import peers
 from scripts.bench.workload import workload
+from scripts.launcher.processes import free_loopback_port
 from tests.helpers import http_stub
 
 
@@ -163,7 +164,7 @@ def test_llama_server_is_stopped_when_the_measurement_fails(tmp_path, monkeypatc
 def test_a_llama_server_that_exits_at_start_is_reported_with_its_log(tmp_path, monkeypatch):
     stand_in_server(tmp_path, monkeypatch, exit_at_once=True)
     with pytest.raises(RuntimeError, match="exited with 3.*server.log"):
-        with peers.llama_server(slots=1, port=peers.free_port(), log_path=tmp_path / "server.log"):
+        with peers.llama_server(slots=1, port=free_loopback_port(), log_path=tmp_path / "server.log"):
             pass
 
 

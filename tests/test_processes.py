@@ -99,3 +99,32 @@ def test_stopping_a_server_removes_its_runtime_folder_and_leaves_another_servers
     finally:
         other.kill()
         other.wait()
+
+
+
+def test_free_ports_lie_below_the_ephemeral_range_where_no_client_connection_takes_them(monkeypatch, tmp_path):
+    """The launcher's ports come from below the kernel's ephemeral range (outgoing connections take theirs from it: a
+    port released there was once taken before tritonserver bound it), three distinct ones, a port in use skipped;
+    with no room below the range, the kernel picks."""
+    import socket
+
+    from scripts.launcher import processes
+
+    start = processes.ephemeral_ports_start()
+    ports = processes.Ports.free()
+    picked = [ports.http, ports.grpc, ports.metrics]
+    assert len(set(picked)) == 3 and all(processes.PICKED_PORTS_FROM <= p < start for p in picked), (picked, start)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", processes.free_loopback_port()))
+        held.listen()
+        draws = iter([held.getsockname()[1], picked[0], picked[0], picked[1], picked[2]])
+        monkeypatch.setattr(processes._picks, "randrange", lambda low, high: next(draws))
+        assert processes.Ports.free() == ports, "the port in use and the repeated one were skipped"
+
+    def no_draw(low, high):
+        raise AssertionError("drew a port where the range leaves no room below it")
+
+    monkeypatch.setattr(processes._picks, "randrange", no_draw)
+    (tmp_path / "ip_local_port_range").write_text("1024\t65535\n")
+    monkeypatch.setattr(processes, "EPHEMERAL_RANGE", tmp_path / "ip_local_port_range")
+    assert processes.ephemeral_ports_start() == 1024 and processes.free_loopback_port() >= 1024

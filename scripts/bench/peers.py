@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -51,6 +50,7 @@ import requests
 
 from scripts.bench.workload import log as bench_log
 from scripts.bench.workload import percentile, workload
+from scripts.launcher.processes import free_loopback_port
 from scripts.paths import BUILD_DIR, EXPORT_DIR, PROJECT_ROOT
 from scripts.prepare.build_marks import EXPORT_MARK, mark_complete, up_to_date
 
@@ -237,18 +237,12 @@ def gguf_path() -> Path:
     return next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def llama_server(slots: int, port: int = 0, log_path: Path = PEERS_DIR / "llama-server.log", context: int = 16384,
                  model: Path | None = None):
     """A running llama-server on 127.0.0.1 (its URL) serving ``model`` (default: gguf_path()), stopped on the way out,
     errors included."""
-    port = port or free_port()
+    port = port or free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     command = [LLAMA_SERVER, "-m", model or gguf_path(), "-t", str(THREADS), "-np", str(slots), "-c", str(context),
                "--host", "127.0.0.1", "--port", str(port)]

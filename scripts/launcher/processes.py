@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -14,6 +15,39 @@ from pathlib import Path
 from python_backend.serving.heartbeat import runtime_dir
 
 SHM_REGION_PREFIX = b"triton_python_backend_shm_region"
+# Free ports are picked at random from here up to the kernel's ephemeral range, from which bind(0) and every outgoing
+# connection take theirs: a port found free there and released may be taken by another process before the server
+# binds it (seen once in CI, 2026-12-07: tritonserver's "Socket '127.0.0.1:46873' already in use", a shared server of
+# the suite lost). Below the range only another pick can take it; from 20000 up, above Ray's worker ports (10002-19999).
+PICKED_PORTS_FROM = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_picks = random.SystemRandom()  # not the random module's state, which a test or a seeded caller may have fixed
+
+
+def ephemeral_ports_start() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_loopback_port(taken: set[int] = frozenset()) -> int:
+    """A loopback port nothing listens on, below the ephemeral range; the kernel's own choice where no room is left
+    below it (the range set to start low)."""
+    start = ephemeral_ports_start()
+    for _ in range(1000 if start - PICKED_PORTS_FROM >= 1000 else 0):
+        port = _picks.randrange(PICKED_PORTS_FROM, start)
+        if port in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -24,12 +58,10 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        sockets = [socket.socket() for _ in range(3)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in sockets]
-        for s in sockets:
-            s.close()
+        ports: list[int] = []
+        while len(ports) < 3:
+            if (port := free_loopback_port(set(ports))) not in ports:
+                ports.append(port)
         return cls(*ports)
 
 
