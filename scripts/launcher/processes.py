@@ -31,14 +31,12 @@ def ephemeral_ports_start() -> int:
         return 32768  # Linux's default
 
 
-def free_loopback_port(taken: set[int] = frozenset()) -> int:
+def free_loopback_port() -> int:
     """A loopback port nothing listens on, below the ephemeral range; the kernel's own choice where no room is left
     below it (the range set to start low)."""
     start = ephemeral_ports_start()
     for _ in range(1000 if start - PICKED_PORTS_FROM >= 1000 else 0):
         port = _picks.randrange(PICKED_PORTS_FROM, start)
-        if port in taken:
-            continue
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
@@ -59,8 +57,8 @@ class Ports:
     @classmethod
     def free(cls) -> "Ports":
         ports: list[int] = []
-        while len(ports) < 3:
-            if (port := free_loopback_port(set(ports))) not in ports:
+        while len(ports) < 3:  # a port drawn twice is drawn again
+            if (port := free_loopback_port()) not in ports:
                 ports.append(port)
         return cls(*ports)
 

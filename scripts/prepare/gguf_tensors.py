@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-_SCALAR_FORMATS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-                   GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-                   GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-                   GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+_SCALARS = {kind: struct.Struct(layout) for kind, layout in {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}.items()}
 _VALUE_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
                 GGMLQuantizationType.I64: np.int64}
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_U32, _U64 = _SCALARS[GGUFValueType.UINT32], _SCALARS[GGUFValueType.UINT64]
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,9 @@ class _Cursor:
                 for _ in range(count):
                     self.value(GGUFValueType.ARRAY)
             else:
-                self.offset += count * struct.calcsize(_SCALAR_FORMATS[GGUFValueType(item)])  # count read above
+                self.offset += count * _SCALARS[GGUFValueType(item)].size  # count read above
             return None
-        layout = struct.Struct(_SCALAR_FORMATS[GGUFValueType(kind)])
-        return self.unpack(layout)
+        return self.unpack(_SCALARS[GGUFValueType(kind)])
 
 
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
