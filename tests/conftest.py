@@ -13,7 +13,7 @@ from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-from scripts.launcher.processes import process_with_argument, zombie_children
+from scripts.launcher.processes import last_crash, process_with_argument, zombie_children
 from tests.helpers import KV_TEST_PROMPTS, variant_folder
 from tests.tiny_engine_model import tiny_engine_model
 
@@ -132,9 +132,10 @@ class ServerPool:
             server_pid = process_with_argument(f"--http-port={ports.http}")
             dead = zombie_children(server_pid) if server_pid else {}
             if dead:
+                log = self._logs[ports]
                 pytest.fail(f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died ({dead}; "
-                            f"Triton would never answer its requests): see its log, {self._logs[ports]}",
-                            pytrace=False)
+                            f"Triton would never answer its requests): its log, {log}, says\n"
+                            f"{last_crash(log.read_text(errors='replace')) or '(no crash report)'}", pytrace=False)
 
     def close(self) -> None:
         """Stops every server at once: each takes seconds to shut its models down."""

@@ -14,7 +14,7 @@ import pytest
 
 from python_backend.serving.heartbeat import RUNTIME_DIR_ENV, runtime_dir
 from scripts.launcher.processes import stop, stub_processes
-from scripts.launcher.processes import process_with_argument, zombie_children
+from scripts.launcher.processes import last_crash, process_with_argument, zombie_children
 from tests.helpers import wait_for
 
 
@@ -83,6 +83,21 @@ def test_children_that_died_unreaped_are_found_with_how_they_ended():
         for process in (crashed, exited, running):
             process.kill()
             process.wait()
+
+
+def test_the_last_crash_in_a_server_log_is_quoted_with_glibc_s_message_before_it():
+    log = "\n".join([
+        "Fatal Python error: Segmentation fault", "", "Current thread 0x1 (most recent call first):",
+        "  <no Python frame>", "I1207 server.cc] model reloaded",
+        "malloc(): unaligned fastbin chunk detected", "Fatal Python error: Aborted", "",
+        "Current thread 0x2 (most recent call first):", '  File "model.py", line 136 in _llm_stream',
+    ])
+    assert last_crash(log).splitlines() == [
+        "malloc(): unaligned fastbin chunk detected", "Fatal Python error: Aborted", "",
+        "Current thread 0x2 (most recent call first):", '  File "model.py", line 136 in _llm_stream']
+    assert last_crash(log, max_lines=2).splitlines() == ["malloc(): unaligned fastbin chunk detected",
+                                                         "Fatal Python error: Aborted"]
+    assert last_crash("I1207 ready\nI1207 stopped") == ""
 
 
 def test_stopping_a_server_removes_its_runtime_folder_and_leaves_another_servers(fake_server, tmp_path, monkeypatch):

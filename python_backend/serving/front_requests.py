@@ -7,7 +7,7 @@ the front's watchdog fails every request it holds with a clear error and lets th
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from python_backend.errors import UnavailableError
 from python_backend.serving.periodic import Periodic
@@ -68,6 +68,12 @@ class InFlight:
     def release(self, key: str) -> None:
         with self._lock:
             self._replies.pop(key, None)
+
+    def cancellation_checks(self) -> Iterator[Callable[[], bool]]:
+        """The held requests' cancellation checks, in turn (a closed one answers True without asking)."""
+        with self._lock:
+            replies = list(self._replies.values())
+        return (reply.is_cancelled for reply in replies)
 
     def fail_all(self, error: Exception) -> int:
         """Ends every held request with this error; returns how many were still unanswered."""

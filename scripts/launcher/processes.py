@@ -148,6 +148,21 @@ def stat_fields(stat: str) -> list[str]:
     return stat.rsplit(")", 1)[1].split()
 
 
+# glibc's fatal messages, which precede faulthandler's "Fatal Python error" in a server's log (LIBC_FATAL_STDERR_)
+GLIBC_FATAL = ("malloc", "free(", "double free", "corrupted", "munmap_chunk", "realloc(")
+
+
+def last_crash(log_text: str, max_lines: int = 40) -> str:
+    """A server log's account of its last crashed stub: glibc's message, if any, then faulthandler's stacks (the
+    crashing thread's first); empty when the log has none."""
+    lines = log_text.splitlines()
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if not fatal:
+        return ""
+    start = fatal[-1] - 1 if fatal[-1] > 0 and lines[fatal[-1] - 1].startswith(GLIBC_FATAL) else fatal[-1]
+    return "\n".join(lines[start:start + max_lines])
+
+
 def zombie_children(pid: int) -> dict[int, str]:
     """The children of process pid that died unreaped -> how each ended (its status stays in /proc until reaped)."""
     zombies = {}

@@ -7,7 +7,8 @@ cancel its sequence (at its next token, or, over gRPC, within 0.1 s while it wai
 nothing about a closed HTTP connection before its first response), over a local socket
 (python_backend/serving/cancel_channel.py): Triton does not pass cancellation into composed models by itself. When
 the llm model's process dies, the watchdog fails every request in flight at once
-(python_backend/serving/front_requests.py)."""
+(python_backend/serving/front_requests.py). A finished BLS stream is released only after the stub has let go of it
+(python_backend/serving/spent_streams.py: Triton 2.51's stub could otherwise free its tensors without the GIL)."""
 
 import faulthandler
 import secrets
@@ -22,8 +23,10 @@ from python_backend.serving.cancel_channel import CancelSender
 from python_backend.serving.front_requests import InFlight, Reply, Watchdog, llm_unavailable
 from python_backend.serving.frontend import CancellationWatch, LlmChunk, response_outputs, text_deltas
 from python_backend.serving.heartbeat import Heartbeat, PeerLiveness
+from python_backend.serving.periodic import Periodic
 from python_backend.serving.preprocessing import Preprocessor
 from python_backend.serving.request_inputs import scalar
+from python_backend.serving.spent_streams import SpentStreams
 from python_backend.serving.tokenization import PromptTokenizer
 from python_backend.serving.triton_glue import error_response, model_config, parameters, request_parameters
 
@@ -53,6 +56,10 @@ class TritonPythonModel:
         self.llm = PeerLiveness("llm")
         self.watchdog = Watchdog(self.llm.problem, self._fail_in_flight, busy=lambda: len(self.in_flight) > 0)
         self.watchdog.start()
+        self.spent_streams = SpentStreams()
+        self.stream_releaser = Periodic("spent-streams", 0.1,
+                                        lambda: self.spent_streams.release(self.in_flight.cancellation_checks()))
+        self.stream_releaser.start()
         self.heartbeat = Heartbeat(args["model_instance_name"])
         self.heartbeat.start()
 
@@ -91,6 +98,7 @@ class TritonPythonModel:
             print(f"[front] the llm model is not running ({problem}): failed {failed} requests in flight", flush=True)
 
     def _serve(self, inputs, key, reply):
+        chunks = None
         try:
             stream = bool(scalar(inputs.get, "stream", False))
             if stream and not self.decoupled:
@@ -99,7 +107,7 @@ class TritonPythonModel:
             prepared = self.preprocessor.prepare(inputs.get)
             self.cancellations.add(key, reply.is_cancelled)
             chunks = _llm_stream([pb_utils.Tensor(n, np.expand_dims(v, 0)) for n, v in prepared.llm_inputs.items()],
-                                 key, on_first=lambda: self.cancellations.started(key))
+                                 key, on_first=lambda: self.cancellations.started(key), spent=self.spent_streams)
             answered = sent_any = False
             for delta in text_deltas(chunks, self.tokenizer.decode, stream, reply.is_cancelled,
                                      lambda: self.cancellations.cancel(key), prepared.stop):
@@ -112,8 +120,13 @@ class TritonPythonModel:
                 reply.send(None, final=True)  # cancelled: close the stream without more data
         except Exception as error:
             reply.fail(error)
+        finally:
+            if chunks is not None:
+                chunks.close()  # text_deltas stops reading at the finished chunk: hand the spent stream over now
 
     def finalize(self):
+        self.stream_releaser.stop()
+        self.spent_streams.drop_all()
         self.heartbeat.stop()
         self.watchdog.stop()
         self.cancellations.stop()
@@ -126,14 +139,22 @@ def _raise_for(response):
         raise error_from_tagged(response.error().message())
 
 
-def _llm_stream(tensors, key, on_first):
+def _llm_stream(tensors, key, on_first, spent):
     key_tensor = pb_utils.Tensor("request_key", np.array([[key.encode()]], np.object_))
     request = pb_utils.InferenceRequest(
         model_name="llm", inputs=tensors + [key_tensor],
         requested_output_names=["output_ids", "finished", "error", "finish_reason", "output_log_probs",
                                 "top_log_probs", "top_log_prob_ids", *PROMPT_SCORES],
     )
-    for response in request.exec(decoupled=True):
+    responses = request.exec(decoupled=True)
+    try:
+        yield from _llm_chunks(responses, on_first)
+    finally:
+        spent.hold(responses)
+
+
+def _llm_chunks(responses, on_first):
+    for response in responses:
         _raise_for(response)
         error = pb_utils.get_output_tensor_by_name(response, "error")
         if error is not None:

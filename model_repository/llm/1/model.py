@@ -112,12 +112,12 @@ class TritonPythonModel:
                     if key is None:
                         raise InvalidRequestError("cancel needs a request_key")
                     self.engine.cancel(key)
-                    sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
+                    _send(sender, _outputs([], True), FINAL)
                     continue
                 lora = adapter_request(get)
                 if lora.is_control:  # a load or an unload: answered once it is done
                     apply_control(lora, self.adapters, self.project_root)
-                    sender.send(pb_utils.InferenceResponse(output_tensors=_outputs([], True)), flags=FINAL)
+                    _send(sender, _outputs([], True), FINAL)
                     continue
                 seq = sequence_from_inputs(get, self.settings.eos_token_ids, self.limits)
                 seq.adapter = adapter_for(lora, self.adapters)
@@ -161,6 +161,13 @@ def _guided_submitter(seq, engine):
     return submit
 
 
+def _send(sender, outputs, flags=0):
+    """Sends these tensors, referenced until sent: Triton 2.51's stub drops the outputs its client did not ask for
+    without the GIL, which frees their arrays if the response held their last reference (heap corruption;
+    python_backend/serving/spent_streams.py tells the same bug's other path)."""
+    sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+
 def _outputs(ids, finished):
     return [
         pb_utils.Tensor("output_ids", np.asarray([ids], np.int32).reshape(1, len(ids))),
@@ -192,9 +199,8 @@ def _token_outputs(seq, ids, finished, logprobs):
 
 def _emitter(sender, engine):
     def emit(seq, new_ids, finished, logprobs):
-        response = pb_utils.InferenceResponse(output_tensors=_token_outputs(seq, new_ids, finished, logprobs))
         try:
-            sender.send(response, flags=FINAL if finished else 0)
+            _send(sender, _token_outputs(seq, new_ids, finished, logprobs), FINAL if finished else 0)
         except Exception:
             if not finished:
                 engine.cancel(seq.key)  # its client is gone: stop generating for nobody
@@ -212,7 +218,7 @@ def _error_sender(sender, for_front):
         if for_front:
             message = np.array([[tagged_message(error).encode("utf-8")]], np.object_)
             outputs = _outputs([], True) + [pb_utils.Tensor("error", message)]
-            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+            _send(sender, outputs, FINAL)
         else:
             sender.send(error_response(pb_utils, error), flags=FINAL)
 
