@@ -3,6 +3,7 @@ import functools
 import inspect
 import json
 import os
+import signal
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
+from python_backend.serving.periodic import Periodic
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
@@ -103,11 +105,19 @@ class ServerPool:
     each weight variant's server starts once however many files use it. They run with explicit model control, so a
     test may reload `llm` with other settings (`reconfigured_llm` in tests/helpers.py puts the config back)."""
 
+    WATCH_INTERVAL_S = 5.0
+    LOOKS = 3  # a zombie found at this many looks in a row is a dead stub: Triton reaps a stub it stops within seconds
+
     def __init__(self, tmp_path_factory):
         self._tmp_path_factory = tmp_path_factory
         self._running: list = []  # the running_server context managers, to leave at the end
         self._servers: dict[tuple, object] = {}
         self._logs: dict[object, Path] = {}  # Ports -> server.log
+        self._pids: dict[object, int] = {}  # Ports -> tritonserver's pid
+        self._sightings: dict[object, dict[int, int]] = {}  # Ports -> its zombie children -> looks in a row
+        self.deaths: dict[object, str] = {}  # Ports -> why the watch stopped that server
+        self._watch = Periodic("dead-stub-watch", self.WATCH_INTERVAL_S, self.watch)
+        self._watch.start()
 
     def get(self, model_folder: Path, model_repository: Path = MODEL_REPOSITORY, env: dict[str, str] | None = None):
         """The Ports of the server with this configuration, started on first use."""
@@ -118,36 +128,75 @@ class ServerPool:
             print(f"\nserver log: {log}")
             running = running_server(model_repository, log_path=log, explicit_models=all_models(model_repository),
                                      env=env)
-            self._servers[key] = running.__enter__()
-            self._logs[self._servers[key]] = log
+            ports = running.__enter__()
+            self._logs[ports], self._pids[ports] = log, process_with_argument(f"--http-port={ports.http}")
             self._running.append(running)
+            self._servers[key] = ports
         return self._servers[key]
+
+    def pid(self, ports) -> int | None:
+        """The pid of the tritonserver on these ports."""
+        return self._pids[ports]
+
+    def watch(self) -> None:
+        """Stops a shared server whose stub has died, so that the test waiting on it fails within seconds instead of
+        waiting out its client's timeout (600 s): Triton never answers the requests a dead stub held, and stopping
+        the server closes their connections. The reason is kept for every later test's check_alive."""
+        for (_, env), ports in list(self._servers.items()):
+            if ports in self.deaths or self._pids[ports] is None:
+                continue
+            zombies = zombie_children(self._pids[ports])
+            before = self._sightings.get(ports, {})
+            self._sightings[ports] = {pid: before.get(pid, 0) + 1 for pid in zombies}
+            if any(looks >= self.LOOKS for looks in self._sightings[ports].values()):
+                self.deaths[ports] = self._death(env, ports, zombies)
+                # SIGKILL: after SIGTERM a server with a dead stub said "Exiting immediately" and lived on for minutes
+                os.kill(self._pids[ports], signal.SIGKILL)
 
     def check_alive(self) -> None:
         """Fails the asking test at once when a Python stub of a shared server died (a crash leaves it a zombie that
         the server never reaps): Triton keeps the dead model READY and never answers the requests sent to it, so the
         test would wait out its clients' timeouts. The server's log has the stub's last Python stacks
         (faulthandler)."""
-        for (_, env), ports in self._servers.items():
-            server_pid = process_with_argument(f"--http-port={ports.http}")
-            dead = zombie_children(server_pid) if server_pid else {}
+        for (_, env), ports in list(self._servers.items()):
+            if ports in self.deaths:
+                pytest.fail(self.deaths[ports], pytrace=False)
+            dead = zombie_children(self._pids[ports]) if self._pids[ports] else {}
             if dead:
-                log = self._logs[ports]
-                pytest.fail(f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died ({dead}; "
-                            f"Triton would never answer its requests): its log, {log}, says\n"
-                            f"{last_crash(log.read_text(errors='replace')) or '(no crash report)'}", pytrace=False)
+                pytest.fail(self._death(env, ports, dead), pytrace=False)
+
+    def _death(self, env, ports, dead: dict[int, str]) -> str:
+        log = self._logs[ports]
+        return (f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died ({dead}; Triton would never "
+                f"answer its requests): its log, {log}, says\n"
+                f"{last_crash(log.read_text(errors='replace')) or '(no crash report)'}")
 
     def close(self) -> None:
         """Stops every server at once: each takes seconds to shut its models down."""
+        self._watch.stop()
         with ThreadPoolExecutor(max(1, len(self._running))) as pool:
             list(pool.map(lambda running: running.__exit__(None, None, None), self._running))
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, pytestconfig):
     pool = ServerPool(tmp_path_factory)
+    pytestconfig.stash[SERVER_POOL] = pool
     yield pool
     pool.close()
+
+
+SERVER_POOL = pytest.StashKey[ServerPool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed after the watch stopped a shared server says why (its own error is only a lost
+    connection)."""
+    report = (yield).get_result()
+    pool = item.config.stash.get(SERVER_POOL, None)
+    if report.failed and pool is not None and pool.deaths:
+        report.sections.append(("shared servers stopped (a stub died)", "\n\n".join(pool.deaths.values())))
 
 
 @pytest.fixture(autouse=True)
