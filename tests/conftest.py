@@ -15,7 +15,7 @@ from python_backend.serving.periodic import Periodic
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-from scripts.launcher.processes import last_crash, process_with_argument, zombie_children
+from scripts.launcher.processes import last_crash, process_with_argument, zombie_children, zombie_children_of
 from tests.helpers import KV_TEST_PROMPTS, variant_folder
 from tests.tiny_engine_model import tiny_engine_model
 
@@ -142,10 +142,13 @@ class ServerPool:
         """Stops a shared server whose stub has died, so that the test waiting on it fails within seconds instead of
         waiting out its client's timeout (600 s): Triton never answers the requests a dead stub held, and stopping
         the server closes their connections. The reason is kept for every later test's check_alive."""
-        for (_, env), ports in list(self._servers.items()):
-            if ports in self.deaths or self._pids[ports] is None:
-                continue
-            zombies = zombie_children(self._pids[ports])
+        watched = [(env, ports) for (_, env), ports in list(self._servers.items())
+                   if ports not in self.deaths and self._pids[ports] is not None]
+        if not watched:
+            return
+        zombies_by_server = zombie_children_of(self._pids[ports] for _, ports in watched)
+        for env, ports in watched:
+            zombies = zombies_by_server.get(self._pids[ports], {})
             before = self._sightings.get(ports, {})
             self._sightings[ports] = {pid: before.get(pid, 0) + 1 for pid in zombies}
             if any(looks >= self.LOOKS for looks in self._sightings[ports].values()):

@@ -165,14 +165,20 @@ def last_crash(log_text: str, max_lines: int = 40) -> str:
 
 def zombie_children(pid: int) -> dict[int, str]:
     """The children of process pid that died unreaped -> how each ended (its status stays in /proc until reaped)."""
-    zombies = {}
+    return zombie_children_of([pid]).get(pid, {})
+
+
+def zombie_children_of(pids) -> dict[int, dict[int, str]]:
+    """zombie_children of each of these processes that has any, from one read of /proc."""
+    parents = {str(pid) for pid in pids}
+    zombies: dict[int, dict[int, str]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat_fields(stat.read_text())
         except (OSError, ValueError):
             continue
-        if fields[1] == str(pid) and fields[0] == "Z":
+        if fields[1] in parents and fields[0] == "Z":
             status = int(fields[-1])  # waitpid's status word
-            zombies[int(stat.parent.name)] = (f"killed by signal {status & 0x7F}" if status & 0x7F
-                                              else f"exited with code {status >> 8}")
+            zombies.setdefault(int(fields[1]), {})[int(stat.parent.name)] = (
+                f"killed by signal {status & 0x7F}" if status & 0x7F else f"exited with code {status >> 8}")
     return zombies
