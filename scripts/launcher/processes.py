@@ -1,4 +1,5 @@
-"""Processes the launcher starts: free loopback ports, and stopping a server with the Python stubs it leaves behind."""
+"""Processes the launcher starts: free loopback ports, stopping a server with the Python stubs it leaves behind, and
+finding a stub that died (and what its server's log says of it)."""
 
 from __future__ import annotations
 
