@@ -15,7 +15,7 @@ from python_backend.serving.periodic import Periodic
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
-from scripts.launcher.processes import last_crash, process_with_argument, zombie_children, zombie_children_of
+from scripts.launcher.processes import last_crash, process_with_argument, zombie_children_of
 from tests.helpers import KV_TEST_PROMPTS, variant_folder
 from tests.tiny_engine_model import tiny_engine_model
 
@@ -138,17 +138,20 @@ class ServerPool:
         """The pid of the tritonserver on these ports."""
         return self._pids[ports]
 
+    def _zombies(self) -> list[tuple[dict, object, dict[int, str]]]:
+        """(env, Ports, its zombie children) of each server the watch has not stopped, from one read of /proc."""
+        running = [(dict(env), ports) for (_, env), ports in list(self._servers.items())
+                   if ports not in self.deaths and self._pids[ports] is not None]
+        if not running:
+            return []
+        zombies = zombie_children_of(self._pids[ports] for _, ports in running)
+        return [(env, ports, zombies.get(self._pids[ports], {})) for env, ports in running]
+
     def watch(self) -> None:
         """Stops a shared server whose stub has died, so that the test waiting on it fails within seconds instead of
         waiting out its client's timeout (600 s): Triton never answers the requests a dead stub held, and stopping
         the server closes their connections. The reason is kept for every later test's check_alive."""
-        watched = [(env, ports) for (_, env), ports in list(self._servers.items())
-                   if ports not in self.deaths and self._pids[ports] is not None]
-        if not watched:
-            return
-        zombies_by_server = zombie_children_of(self._pids[ports] for _, ports in watched)
-        for env, ports in watched:
-            zombies = zombies_by_server.get(self._pids[ports], {})
+        for env, ports, zombies in self._zombies():
             before = self._sightings.get(ports, {})
             self._sightings[ports] = {pid: before.get(pid, 0) + 1 for pid in zombies}
             if any(looks >= self.LOOKS for looks in self._sightings[ports].values()):
@@ -161,16 +164,15 @@ class ServerPool:
         the server never reaps): Triton keeps the dead model READY and never answers the requests sent to it, so the
         test would wait out its clients' timeouts. The server's log has the stub's last Python stacks
         (faulthandler)."""
-        for (_, env), ports in list(self._servers.items()):
-            if ports in self.deaths:
-                pytest.fail(self.deaths[ports], pytrace=False)
-            dead = zombie_children(self._pids[ports]) if self._pids[ports] else {}
+        for reason in self.deaths.values():
+            pytest.fail(reason, pytrace=False)
+        for env, ports, dead in self._zombies():
             if dead:
                 pytest.fail(self._death(env, ports, dead), pytrace=False)
 
     def _death(self, env, ports, dead: dict[int, str]) -> str:
         log = self._logs[ports]
-        return (f"a Python stub of the shared server for {dict(env)[MODEL_DIR_ENV]} died ({dead}; Triton would never "
+        return (f"a Python stub of the shared server for {env[MODEL_DIR_ENV]} died ({dead}; Triton would never "
                 f"answer its requests): its log, {log}, says\n"
                 f"{last_crash(log.read_text(errors='replace')) or '(no crash report)'}")
 
