@@ -9,7 +9,7 @@ import pytest
 
 def projection_and_halves():
     """y = x @ W.T read through a Transpose of the weight, as torch.onnx.export writes a Linear before optimizing, and
-    y's two halves swapped (rotate_half's Slices)."""
+    y's two halves swapped, as rotate_half does (Slices that the full optimizer leaves as they are too)."""
     from onnx import TensorProto, helper, numpy_helper
 
     weight = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
