@@ -93,6 +93,9 @@ def server_command(
         f"--metrics-port={ports.metrics}",
         "--exit-timeout-secs=5",
         "--log-verbose=0",
+        # The repository's configs are complete: auto-complete would start a stub per Python model, before its
+        # instance's, only to read them back unchanged (ready in 1.8 s instead of 3.3 s; docs/testing.md).
+        "--disable-auto-complete-config",
     ]
     if explicit_models is not None:
         command.append("--model-control-mode=explicit")
