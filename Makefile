@@ -129,8 +129,15 @@ export-model: venv
 # (make test-setup) they are built side by side.
 variants: $(VARIANT_TARGETS)
 
+# Threads of each build's onnxruntime and PyTorch (empty: their own choice, one per core). Builds run side by side
+# (make test-setup) take a share of the cores each: onnxruntime's threads spin while they wait, and on cores another
+# build holds that is lost work (the four variants three at a time on 2 cores, 2026-12-07: 69/69 s on one thread each
+# against 83/80 s; docs/testing.md).
+BUILD_THREADS ?=
+BUILD_ENV = $(if $(BUILD_THREADS),TRITON_LLM_INTRA_OP_THREADS=$(BUILD_THREADS) OMP_NUM_THREADS=$(BUILD_THREADS))
+
 $(VARIANT_TARGETS): variant-%: export-model
-	$(PY) -m scripts.prepare.quantize --quant $* --source $(EXPORT_DIR)
+	$(BUILD_ENV) $(PY) -m scripts.prepare.quantize --quant $* --source $(EXPORT_DIR)
 
 # A TensorRT engine of the fp32 export for this machine's GPU (needs TensorRT's Python API: docker/Dockerfile.gpu has
 # it), with optimization profiles from model_repository/llm/config.pbtxt; `make serve RUNTIME=tensorrt` serves it.
@@ -176,7 +183,7 @@ serve: model
 # The engine tests' tiny model (tests/tiny_engine_model.py) in build/tiny, built again where it is out of date (its
 # recipe, its base, the export's or the variants' format): ~20 s, a second or two to find it up to date.
 tiny-model: export-model
-	$(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
+	$(BUILD_ENV) $(PY) -m tests.tiny_engine_model $(EXPORT_DIR)
 
 # What pytest's workers import as they collect the tests (torch, transformers, tritonclient, the test files), compiled
 # once, beside the export, instead of by each of them at once as they start (the modules are installed without
@@ -187,10 +194,12 @@ $(VENV)/.collected: $(VENV)/.installed
 	touch $@
 
 # What make test needs, three jobs at a time: the test-only venvs are installed while the export runs, then the
-# tiny model and the variants are built side by side (the tiny model first: it is the longest).
+# tiny model and the variants are built side by side (the tiny model first: it is the longest), each on a third of
+# the cores (BUILD_THREADS; at least one).
 test-setup:
 	@started=$$(date +%s); \
-	$(MAKE) --no-print-directory -j3 tiny-model variants clients eval-venv $(VENV)/.collected || exit $$?; \
+	$(MAKE) --no-print-directory -j3 BUILD_THREADS=$$(( $$(nproc) / 3 > 0 ? $$(nproc) / 3 : 1 )) \
+		tiny-model variants clients eval-venv $(VENV)/.collected || exit $$?; \
 	echo "make test-setup: took $$(( $$(date +%s) - started )) s"
 
 # The token-exact tests run on the fp32 export, whatever QUANT says; each variant is checked and served once.

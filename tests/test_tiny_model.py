@@ -199,25 +199,27 @@ def test_served_greedy_output_equals_transformers_generate_on_ids_with_bos(
 
 @pytest.mark.server
 def test_int4_of_a_hugging_face_folder_is_refused_before_any_work_and_built_from_it_when_asked(
-        tiny_export, tiny_model_dir, tmp_path):
+        tiny_export, tiny_model_dir, tmp_path, capsys):
     """`make model SOURCE=<folder> QUANT=int4`: a random model's weights are on no 4-bit grid, so int4 cannot be exact
     for it: refused at once, naming the matrices, with nothing built. Asked to keep it anyway, the fused graph is built
     from the folder the export's settings name (the export reads a Hugging Face folder where it is, with no hf/ of its
     own; the variant once looked for EXPORT_DIR/hf, which the builder then took for a model hub's name)."""
     import json
 
+    from scripts.prepare import quantize
     from scripts.prepare.build_marks import VARIANT_MARK
 
     assert not (tiny_export / "hf").exists()
     output = tmp_path / "tiny-int4"
-    command = [sys.executable, "-m", "scripts.prepare.quantize", "--quant", "int4", "--source", str(tiny_export),
-               "--output", str(output)]
-    refused = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert refused.returncode == 1, refused.stderr[-3000:]
-    assert "int4 is exact only for weights already on a 4-bit grid" in refused.stderr
-    assert "model.layers.0." in refused.stderr and "Nothing was built" in refused.stderr
+    arguments = ["--quant", "int4", "--source", str(tiny_export), "--output", str(output)]
+    refused = quantize.main(arguments)
+    stderr = capsys.readouterr().err
+    assert refused == 1, stderr[-3000:]
+    assert "int4 is exact only for weights already on a 4-bit grid" in stderr
+    assert "model.layers.0." in stderr and "Nothing was built" in stderr
     assert not output.exists()
-    kept = subprocess.run(command + ["--keep-inexact"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    kept = subprocess.run([sys.executable, "-m", "scripts.prepare.quantize", *arguments, "--keep-inexact"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert f"fused graph of {tiny_model_dir.resolve()}" in kept.stderr
     assert kept.returncode == 0 and "WARNING: parity below the thresholds" in kept.stderr, kept.stderr[-3000:]
     assert json.loads((output / "llm_settings.json").read_text())["quantization"] == "int4"
@@ -290,7 +292,8 @@ def tiny_gemma2_dir(model_dir, tmp_path_factory) -> Path:
 
 @pytest.mark.server
 @pytest.mark.models
-def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_graph(tiny_gemma2_dir, tmp_path):
+def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_graph(tiny_gemma2_dir, tmp_path,
+                                                                                       capsys):
     """Gemma 2's soft-capped attention, sliding window and final soft cap: the export's parity against transformers
     holds, the served greedy tokens are transformers' (past the window), and int4/fast, built on a fused graph whose
     sliding-window attention does not run on the slot cache, are refused before any work."""
@@ -317,15 +320,13 @@ def test_gemma2_is_exported_exactly_served_token_exact_and_refused_by_the_fused_
             assert completion.output_tokens == len(expected) == 40, prompt
             assert completion.text == tokenizer.decode(expected, skip_special_tokens=True), prompt
 
-    output = tmp_path / "gemma2-int4"
-    refused = subprocess.run([sys.executable, "-m", "scripts.prepare.quantize", "--quant", "int4", "--source",
-                              str(export), "--output", str(output), "--keep-inexact"],
-                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 1 and "gemma2 has sliding-window layers (sliding_window 32)" in refused.stderr
-    assert not output.exists()
-    # fast is refused by the same check of every recipe on the fused graph (one process less)
     from scripts.prepare import fused_graph, quantize
 
+    output = tmp_path / "gemma2-int4"
+    assert quantize.main(["--quant", "int4", "--source", str(export), "--output", str(output), "--keep-inexact"]) == 1
+    assert "gemma2 has sliding-window layers (sliding_window 32)" in capsys.readouterr().err
+    assert not output.exists()
+    # fast is refused by the same check of every recipe on the fused graph
     assert "(sliding_window 32)" in fused_graph.refusal(quantize.source_weights(export), "fast")
     # fp32 and fp16 are built on the export's own graph, which serves it token-exactly above
     assert quantize.variant_graph(export, quantize.RECIPES["fp32"])[0] == quantize.EXPORT
