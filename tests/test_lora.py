@@ -411,12 +411,12 @@ def test_the_int4_variant_s_lora_parity_report_holds_each_adapter_to_the_variant
 
     folder, _, _ = peft_run
     output = tmp_path / "lora_parity.json"
-    code = main(["--model-dir", str(variant_folder(model_dir, "int4")), "--prompts", "6", "--tokens", "24",
+    code = main(["--model-dir", str(variant_folder(model_dir, "int4")), "--prompts", "4", "--tokens", "16",
                  "--output", str(output), *(f"--adapter={name}={folder / name}" for name in ADAPTER_SPECS)])
     report = json.loads(output.read_text())
     assert report["variant"] == "int4" and set(report["results"]) == {"base", *ADAPTER_SPECS}
     for name, result in report["results"].items():  # PEFT's own model loaded from the folder, in fp32
-        assert result["greedy_agreement"]["identical"] == 6 and result["max_abs_logit_diff"] < 1e-3, name
+        assert result["greedy_agreement"]["identical"] == 4 and result["max_abs_logit_diff"] < 1e-3, name
     assert code == 0 and report["passed"]
 
 
