@@ -193,12 +193,14 @@ $(VENV)/.collected: $(VENV)/.installed
 	-$(PY) -m pytest --collect-only -q -p no:cacheprovider tests > /dev/null
 	touch $@
 
-# What make test needs, three jobs at a time: the test-only venvs are installed while the export runs, then the
-# tiny model and the variants are built side by side (the tiny model first: it is the longest), each on a third of
+# What make test needs, SETUP_JOBS jobs at a time: the test-only venvs are installed while the export runs, then the
+# tiny model and the variants are built side by side (the tiny model first: it is the longest), each on its share of
 # the cores (BUILD_THREADS; at least one).
+SETUP_JOBS := 3
 test-setup:
 	@started=$$(date +%s); \
-	$(MAKE) --no-print-directory -j3 BUILD_THREADS=$$(( $$(nproc) / 3 > 0 ? $$(nproc) / 3 : 1 )) \
+	$(MAKE) --no-print-directory -j$(SETUP_JOBS) \
+		BUILD_THREADS=$$(( $$(nproc) / $(SETUP_JOBS) > 0 ? $$(nproc) / $(SETUP_JOBS) : 1 )) \
 		tiny-model variants clients eval-venv $(VENV)/.collected || exit $$?; \
 	echo "make test-setup: took $$(( $$(date +%s) - started )) s"
 
