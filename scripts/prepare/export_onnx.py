@@ -168,11 +168,21 @@ def write_references(output: Path) -> None:
     folder the export's settings name."""
     import functools
 
-    hf_dir = json.loads((output / SETTINGS_FILE).read_text())["hf_dir"]
-    load_model = functools.cache(lambda: variant_parity.load_reference_model(hf_dir))
+    settings = json.loads((output / SETTINGS_FILE).read_text())
+    load_model = functools.cache(lambda: variant_parity.load_reference_model(settings["hf_dir"]))
     prompt_tokenizer = PromptTokenizer(output)
     logit_reference(output, parity_prompts(prompt_tokenizer), load_model())
     variant_parity.reference_greedy(output, load_model, load_test_prompts(prompt_tokenizer))
+    generate_reference(output, load_model, parity_prompts(prompt_tokenizer), settings["eos_token_ids"])
+
+
+def generate_reference(output: Path, load_model, prompts: list[list[int]], eos_ids: list[int]) -> list:
+    """transformers' generate() on each prompt: (its greedy tokens, their runners-up) (greedy_with_runners_up), kept
+    in the export's folder like the variants' references: computed beside the trace by the references' process, not
+    after it."""
+    return variant_parity.cached_json(
+        output / variant_parity.GENERATE_REFERENCE_FILE, "answers", [prompts, GREEDY_TOKENS, eos_ids],
+        lambda: [greedy_with_runners_up(load_model(), p, GREEDY_TOKENS, eos_ids) for p in prompts])
 
 
 def references_beside(model, output: Path):
@@ -202,8 +212,8 @@ def check_parity(model, tokenizer, output: Path, eos_ids: list[int], tolerance: 
     sequences = [Sequence(prompt_ids=p, params=params) for p in prompts]
     generate(decoder, sequences)
     greedy = []
-    for prompt, seq in zip(prompts, sequences):
-        expected, runners_up = greedy_with_runners_up(model, prompt, GREEDY_TOKENS, eos_ids)
+    for prompt, seq, (expected, runners_up) in zip(prompts, sequences,
+                                                    generate_reference(output, lambda: model, prompts, eos_ids)):
         # two logits closer than twice the tolerance may swap places within it: the export may take the other
         left = departure(seq.output_ids, expected, runners_up, eos_ids, 2 * tolerance)
         greedy.append({"prompt_tokens": len(prompt), "onnx": seq.output_ids, "transformers": expected,

@@ -52,7 +52,8 @@ from python_backend.lora import BaseShapes  # noqa: E402
 from scripts.paths import EXPORT_DIR  # noqa: E402
 from scripts.prepare import block_quantization, fused_graph, gguf_grid, lora_graph, source_grid  # noqa: E402
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, mark_complete, start_fresh, up_to_date  # noqa: E402
-from scripts.prepare.variant_parity import GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE, check_variant  # noqa: E402
+from scripts.prepare.variant_parity import (GENERATE_REFERENCE_FILE, GREEDY_REFERENCE_FILE,  # noqa: E402
+                                          LOGIT_REFERENCE_FILE, check_variant)
 
 FORMAT = 9  # bump when a recipe or the graph changes, so that `make model QUANT=...` builds the variant again (9: query_seqlens)
 MS_DOMAIN = "com.microsoft"
@@ -344,7 +345,8 @@ def source_weights(source: Path) -> Path:
 
 def copy_model_files(source: Path, output: Path, recipe: Recipe, graph: str = FUSED) -> None:
     """Tokenizer and settings from the fp32 export; settings say which variant this is, and on which graph."""
-    own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, EXPORT_MARK, GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE}
+    own_files = {PARITY_REPORT_FILE, SETTINGS_FILE, EXPORT_MARK, GREEDY_REFERENCE_FILE, LOGIT_REFERENCE_FILE,
+                 GENERATE_REFERENCE_FILE}
     for item in source.iterdir():
         if item.is_file() and item.name not in own_files:
             shutil.copy2(item, output / item.name)

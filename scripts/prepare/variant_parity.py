@@ -36,6 +36,8 @@ from scripts.eval.peft_reference import pytorch_greedy
 
 GREEDY_REFERENCE_FILE = "greedy_reference.json"
 LOGIT_REFERENCE_FILE = "logit_reference.npz"
+# The export's own check of transformers' generate() (scripts/prepare/export_onnx.py), kept beside them.
+GENERATE_REFERENCE_FILE = "generate_reference.json"
 GREEDY_TOKENS = 64
 LOGIT_PROMPTS = [
     "What is the capital of France?",
@@ -152,20 +154,28 @@ def max_logit_difference(decoder, reference: LogitReference) -> tuple[float, flo
     return float(logit_differences(decoder, reference).max()), max_abs_logit(reference)
 
 
+def cached_json(path: Path, field: str, inputs, compute):
+    """compute()'s value (JSON), kept in path as its field, with a key of the inputs it was computed from: read back
+    from there while the inputs are the same."""
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key and field in cached:
+            return cached[field]
+    value = compute()
+    with _written_whole(path) as partial:
+        partial.write_text(json.dumps({"key": key, field: value}))
+    return json.loads(json.dumps(value))  # as a later read gives it back (tuples as lists)
+
+
 def reference_greedy(fp32_dir: Path, load_model, prompts: list[list[int]]) -> list[list[int]]:
     """fp32 PyTorch's greedy tokens for the prompts, from the cache file when it was made for the same prompts;
     load_model() gives the model when they must be computed."""
-    key = hashlib.sha256(json.dumps([prompts, GREEDY_TOKENS]).encode()).hexdigest()
-    path = fp32_dir / GREEDY_REFERENCE_FILE
-    if path.is_file():
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached["tokens"]
-    log(f"fp32 PyTorch greedy reference: {len(prompts)} prompts x {GREEDY_TOKENS} tokens, batched (~30 s)")
-    tokens = pytorch_greedy(load_model(), prompts, GREEDY_TOKENS)
-    with _written_whole(path) as partial:
-        partial.write_text(json.dumps({"key": key, "tokens": tokens}))
-    return tokens
+    def compute():
+        log(f"fp32 PyTorch greedy reference: {len(prompts)} prompts x {GREEDY_TOKENS} tokens, batched (~30 s)")
+        return pytorch_greedy(load_model(), prompts, GREEDY_TOKENS)
+
+    return cached_json(fp32_dir / GREEDY_REFERENCE_FILE, "tokens", [prompts, GREEDY_TOKENS], compute)
 
 
 def engine_greedy(decoder, prompts: list[list[int]]) -> list[list[int]]:
