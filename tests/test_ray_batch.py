@@ -193,6 +193,19 @@ def test_every_line_is_written_once_with_the_single_server_runners_answers(two_s
 
 @pytest.mark.server
 @pytest.mark.ray
+def test_the_local_instance_that_ran_the_job_runs_its_workers_at_the_servers_niceness(two_server_run):
+    """Ray's default niceness of 15 starves the map actor on a machine the servers keep busy (the benchmark's
+    0.84 of run_batch). Checked on the instance the job ran on (the fast suite would start one for this alone)."""
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:  # defined here, Ray sends the function itself: workers cannot import this file
+        import os
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == 0
+
+
+@pytest.mark.server
+@pytest.mark.ray
 def test_a_bad_line_lands_in_the_error_shards(two_server_run):
     _, out, _ = two_server_run
     _, errors = read_shards(out)
@@ -317,18 +330,6 @@ def test_a_ray_worker_killed_mid_job_is_retried_by_ray(server, fronts, model, re
     assert not thread.is_alive() and result["code"] == 0
     outputs, errors = assert_every_line_once(tmp_path / "out", set(reference))
     assert errors == [] and texts(outputs) == reference
-
-
-@pytest.mark.ray
-def test_a_local_instance_runs_its_workers_at_the_servers_niceness(local_ray):
-    """Ray's default niceness of 15 starves the map actor on a machine the servers keep busy (the benchmark's
-    0.84 of run_batch)."""
-    @ray.remote(num_cpus=0)
-    def niceness() -> int:  # defined here, Ray sends the function itself: workers cannot import this file
-        import os
-        return os.nice(0)
-
-    assert ray.get(niceness.remote()) == 0
 
 
 # --- pieces without servers ---
