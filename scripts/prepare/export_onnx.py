@@ -177,7 +177,7 @@ def write_references(output: Path) -> None:
 
 
 def generate_reference(output: Path, load_model, prompts: list[list[int]], eos_ids: list[int]) -> list:
-    """transformers' generate() on each prompt: (its greedy tokens, their runners-up) (greedy_with_runners_up), kept
+    """transformers' generate() on each prompt: its greedy tokens and their runners-up (greedy_with_runners_up), kept
     in the export's folder like the variants' references: computed beside the trace by the references' process, not
     after it."""
     return variant_parity.cached_json(
