@@ -171,9 +171,10 @@ def write_references(output: Path) -> None:
     settings = json.loads((output / SETTINGS_FILE).read_text())
     load_model = functools.cache(lambda: variant_parity.load_reference_model(settings["hf_dir"]))
     prompt_tokenizer = PromptTokenizer(output)
-    logit_reference(output, parity_prompts(prompt_tokenizer), load_model())
+    prompts = parity_prompts(prompt_tokenizer)
+    logit_reference(output, prompts, load_model())
     variant_parity.reference_greedy(output, load_model, load_test_prompts(prompt_tokenizer))
-    generate_reference(output, load_model, parity_prompts(prompt_tokenizer), settings["eos_token_ids"])
+    generate_reference(output, load_model, prompts, settings["eos_token_ids"])
 
 
 def generate_reference(output: Path, load_model, prompts: list[list[int]], eos_ids: list[int]) -> list:
