@@ -20,9 +20,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from python_backend.model_files import PARITY_REPORT_FILE, SETTINGS_FILE
+from python_backend.model_files import PARITY_REPORT_FILE
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, source_fingerprint, up_to_date
+from scripts.prepare.export_onnx import default_source, recorded_source
 from scripts.prepare.quantize import RECIPES, fingerprint, variant_dir
 from tests.helpers import export_tiny
 
@@ -39,18 +40,19 @@ ROOT = BUILD_DIR / "tiny"
 RECIPE_FILE = "tiny_recipe.json"
 
 
-def tiny_engine_model(model_dir: Path, root: Path = ROOT) -> Path:
+def tiny_engine_model(model_dir: Path, root: Path = ROOT, source: Path | None = None) -> Path:
     """The export of the tiny model in root/model (VARIANTS beside it), built where it is missing or out of date:
-    its recipe, the base whose tokenizer and config it takes (model_dir's), the export's format and the variants'
-    (the marks `make model` and `make variants` keep), all read without loading a model. Processes wait for each
-    other's build on a lock (pytest's workers)."""
+    its recipe, the model whose tokenizer and config it takes (model_dir's source, the file or folder its export was
+    made from: read from the source, not the export, so that it is built beside the export, not after it), the
+    export's format and the variants' (the marks `make model` and `make variants` keep), all read without loading a
+    model. Processes wait for each other's build on a lock (pytest's workers)."""
     root.mkdir(parents=True, exist_ok=True)
     export = root / "model"
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        source = _source(model_dir, root / "hf")
-        if not _up_to_date(source, export):
-            export_tiny(source, export, VARIANTS, ("--logit-tolerance", str(LOGIT_TOLERANCE)))
+        folder = _source(source or recorded_source(model_dir) or default_source(), root / "hf")
+        if not _up_to_date(folder, export):
+            export_tiny(folder, export, VARIANTS, ("--logit-tolerance", str(LOGIT_TOLERANCE)))
     return export
 
 
@@ -59,21 +61,26 @@ def _up_to_date(source: Path, export: Path) -> bool:
         up_to_date(variant_dir(export, v), VARIANT_MARK, fingerprint(export, RECIPES[v])) for v in VARIANTS)
 
 
-def _source(model_dir: Path, folder: Path) -> Path:
-    """The tiny model's Hugging Face folder, written again only when its recipe or its base changed (the export's
-    mark holds the folder's time, so a folder written again is exported again)."""
-    settings = json.loads((model_dir / SETTINGS_FILE).read_text())
-    base = [path for path in (Path(settings["hf_dir"]) / "config.json", model_dir / "tokenizer.json") if path.is_file()]
-    recipe = json.dumps({**RECIPE, "version": VERSION,
-                         "base": [hashlib.sha256(path.read_bytes()).hexdigest() for path in base]}, sort_keys=True)
+def _source(base: Path, folder: Path) -> Path:
+    """The tiny model's Hugging Face folder, written again only when its recipe or its base (a GGUF file or a Hugging
+    Face folder: `make model`'s source) changed (the export's mark holds the folder's time, so a folder written again
+    is exported again)."""
+    recipe = json.dumps({**RECIPE, "version": VERSION, "base": source_fingerprint(base)}, sort_keys=True)
     if (folder / RECIPE_FILE).is_file() and (folder / RECIPE_FILE).read_text() == recipe:
         return folder
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from scripts.prepare.gguf_reader import parsed_once
+
     shutil.rmtree(folder, ignore_errors=True)
-    AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(folder)
-    config = LlamaConfig.from_pretrained(settings["hf_dir"])
+    if base.is_file():  # a GGUF file
+        where = {"pretrained_model_name_or_path": base.parent, "gguf_file": base.name}
+    else:
+        where = {"pretrained_model_name_or_path": base}
+    with parsed_once():  # as the export reads it: the tokenizer the export saves, the config of its weights
+        AutoTokenizer.from_pretrained(**where, local_files_only=True).save_pretrained(folder)
+        config = LlamaConfig.from_pretrained(**where, local_files_only=True)
     config.update({k: v for k, v in RECIPE.items() if k != "seed"})
     torch.manual_seed(RECIPE["seed"])
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -81,8 +88,9 @@ def _source(model_dir: Path, folder: Path) -> Path:
     return folder
 
 
-if __name__ == "__main__":  # make tiny-model: [the real export's folder, for SmolLM2's tokenizer and config]
-    built = tiny_engine_model(Path(sys.argv[1]) if len(sys.argv) > 1 else EXPORT_DIR)
+if __name__ == "__main__":  # make tiny-model: [the real export's folder, [make model's SOURCE]]
+    built = tiny_engine_model(Path(sys.argv[1]) if len(sys.argv) > 1 else EXPORT_DIR,
+                              source=Path(sys.argv[2]) if len(sys.argv) > 2 else None)
     weights = hashlib.sha256((ROOT / "hf" / "model.safetensors").read_bytes()).hexdigest()[:16]
     report = json.loads((built / PARITY_REPORT_FILE).read_text())
     print(f"{built}: weights {weights}, max |Δ logits| {report['max_abs_logit_diff']:.2e} against transformers")
