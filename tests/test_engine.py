@@ -359,3 +359,20 @@ def test_the_config_parameters_make_the_scheduler_config():
     assert config == SchedulerConfig(strategy="static", max_batch_size=4, kv_budget_tokens=2**20 // (KV_PEAK_FACTOR * 1024),
                                      max_queue_size=3, max_prefill_tokens=64, static_batch_size=4,
                                      static_timeout_s=0.25, length_buckets=(8, 32))
+
+
+def test_the_tiny_model_takes_the_served_models_tokenizer_and_its_sources_config(tiny_dir, model_dir, settings):
+    """The tiny model reads its tokenizer and config from the export's source, not from the export (so that `make`
+    builds it beside the export): its tokenizer files are the export's byte for byte, so that the prompts these tests
+    tokenize with the served model's tokenizer are its own ids, and its config is the source's but for its recipe."""
+    import json
+    from pathlib import Path
+
+    from tests.tiny_engine_model import RECIPE
+
+    folder = tiny_dir.parent / "hf"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (model_dir / name).read_bytes(), name
+    config = json.loads((folder / "config.json").read_text())
+    source = json.loads((Path(settings["hf_dir"]) / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k not in RECIPE} == {k: v for k, v in source.items() if k not in RECIPE}
