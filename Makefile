@@ -183,8 +183,8 @@ serve: model
 # The engine tests' tiny model (tests/tiny_engine_model.py) in build/tiny, built again where it is out of date (its
 # recipe, its base, the export's or the variants' format): ~50 CPU-s, a second to find it up to date. It takes the
 # tokenizer and config of the export's source, not of the export, so it is built beside the export, at a lower
-# priority: it takes what the export leaves of the cores (its trace runs on one). Where the two vCPUs share a core,
-# it still slows the export a little (its trace 208-219 s beside it against 211-213 s, 2026-12-07).
+# priority: it takes what the export leaves of the cores (its trace runs on one). The export's own clock, alternating
+# on clean clones (2026-12-07): 207 s and 219 s with it beside, 211 s and 221 s without.
 tiny-model: venv
 	$(BUILD_ENV) nice -n 10 $(PY) -m tests.tiny_engine_model $(EXPORT_DIR) $(SOURCE)
 
