@@ -364,7 +364,7 @@ def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(se
     try:
         master = subprocess.run([*locust, *users, "--master", "--master-bind-port",
                                  str(master_port), "--expect-workers", "2", "--expect-workers-max-wait", "120",
-                                 "--headless", "--only-summary", "-u", "4", "-r", "4", "-t", "5s", "--stop-timeout",
+                                 "--headless", "--only-summary", "-u", "4", "-r", "4", "-t", "20s", "--stop-timeout",
                                  "30", "--csv", str(tmp_path / "locust"), "--max-tokens", "fixed:8", *target],
                                 cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     finally:
