@@ -23,7 +23,7 @@ from pathlib import Path
 from python_backend.model_files import PARITY_REPORT_FILE
 from scripts.paths import BUILD_DIR, EXPORT_DIR
 from scripts.prepare.build_marks import EXPORT_MARK, VARIANT_MARK, source_fingerprint, up_to_date
-from scripts.prepare.export_onnx import default_source, recorded_source
+from scripts.prepare.export_onnx import export_source
 from scripts.prepare.quantize import RECIPES, fingerprint, variant_dir
 from tests.helpers import export_tiny
 
@@ -50,7 +50,7 @@ def tiny_engine_model(model_dir: Path, root: Path = ROOT, source: Path | None = 
     export = root / "model"
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        folder = _source(source or recorded_source(model_dir) or default_source(), root / "hf")
+        folder = _source(export_source(model_dir, source), root / "hf")
         if not _up_to_date(folder, export):
             export_tiny(folder, export, VARIANTS, ("--logit-tolerance", str(LOGIT_TOLERANCE)))
     return export

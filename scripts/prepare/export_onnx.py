@@ -65,6 +65,11 @@ def default_source() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def export_source(output: Path, source: Path | None = None) -> Path:
+    """What an export into output reads: the source named, else the one output was exported from, else SmolLM2."""
+    return source or recorded_source(output) or default_source()
+
+
 def recorded_source(output: Path) -> Path | None:
     """The source a complete export in ``output`` came from, if it is still there: with no --source, a folder exported
     from a model of the user's stays that model (`make serve EXPORT_DIR=...`), and is exported again from it when the
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.references_only:
         write_references(args.output)
         return 0
-    source = args.source or recorded_source(args.output) or default_source()
+    source = export_source(args.output, args.source)
     if not source.exists():
         parser.error(f"source {source} does not exist")
     output = args.output
