@@ -27,6 +27,9 @@ starts, each selected user checks its endpoint (gRPC: the ensemble is ready; cha
 is not there, Locust ends the run with the reason and exit code 2 before any request (the web UI stays up and only
 stops the test). A failed request is recorded with the server's message: Triton's error text, the HTTP body's error,
 gRPC's status and message.
+
+--stop-after-requests N ends a run once every selected user class has sent N requests (answered or failed), -t
+staying the upper bound: a smoke run that waits on requests, not on a guess of how long they take.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import gevent  # noqa: E402
 import gevent.queue  # noqa: E402
 from locust import FastHttpUser, User, constant, events, task  # noqa: E402
 from locust.runners import MasterRunner, WorkerRunner  # noqa: E402
+from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from loadtests.endpoints import (  # noqa: E402
     EndpointError,
@@ -78,6 +82,9 @@ def _arguments(parser):
     parser.add_argument("--model", default="", help="model id for ChatStreamUser (default: the first of /v1/models)")
     parser.add_argument("--raw-prompts", action="store_true", help="send prompts without the chat template")
     parser.add_argument("--workload-seed", type=int, default=None)
+    parser.add_argument("--stop-after-requests", type=int, default=0, metavar="N",
+                        help="end the run once every selected user class has sent N requests, answered or failed "
+                             "(-t stays the upper bound; 0: off)")
 
 
 _workloads: dict[tuple, Workload] = {}
@@ -133,6 +140,33 @@ def _check_at_each_start(environment, **_kwargs):
         gevent.spawn(environment.runner.stop)
 
 
+@events.test_start.add_listener
+def _stop_after_requests(environment, **_kwargs):
+    wanted = environment.parsed_options.stop_after_requests
+    if wanted > 0 and not isinstance(environment.runner, WorkerRunner):
+        gevent.spawn(_end_once_each_class_has, environment, wanted)  # not in the runner's group, which quit() kills
+
+
+def _requests_sent(stats, entry: str) -> int:
+    """Whole requests of a user class's entry, answered or failed (Locust counts a failure as a request too); on a
+    master, as far as its workers have reported."""
+    return sum(counts.num_requests for (name, _method), counts in stats.entries.items() if name == entry)
+
+
+def _end_once_each_class_has(environment, wanted: int) -> None:
+    runner = environment.runner
+    while min(_requests_sent(runner.stats, user.ENTRY) for user in environment.user_classes) < wanted:
+        gevent.sleep(0.2)
+    logging.info(f"every user class has sent {wanted} requests (--stop-after-requests), ending the run")
+    # Locust rewrites its --csv files on a timer and not at the end: sleeping past one period lets that timer (due
+    # first) write what the run ended on, whatever the load (gevent fires due timers in the order they fall due).
+    gevent.sleep(CSV_STATS_INTERVAL_SEC * 1.5)
+    if environment.parsed_options.headless:
+        runner.quit()
+    else:
+        runner.stop()  # the web UI stays up
+
+
 def _fire(environment, kind: str, name: str, seconds: float, length: int = 0, error: str | None = None):
     environment.events.request.fire(request_type=kind, name=name, response_time=seconds * 1000,
                                     response_length=length, exception=error, context={})
@@ -164,12 +198,13 @@ class _StreamTimer:
 
 
 class GenerateUser(FastHttpUser):
+    ENTRY = "generate"
     wait_time = constant(0)
 
     @task
     def generate(self):
         with self.client.post(f"/v2/models/{MODEL}/generate", json=_triton_request(self.environment),
-                              name="generate", catch_response=True) as response:
+                              name=self.ENTRY, catch_response=True) as response:
             try:
                 reply = json.loads(response.content or b"{}")
             except ValueError:
@@ -186,6 +221,7 @@ class GenerateUser(FastHttpUser):
 class StreamUser(User):
     """SSE over a plain (gevent-patched) http.client connection, kept alive between requests."""
 
+    ENTRY = "generate_stream"
     wait_time = constant(0)
 
     def on_start(self):
@@ -197,7 +233,7 @@ class StreamUser(User):
 
     @task
     def generate_stream(self):
-        timer = _StreamTimer(self.environment, "SSE", "generate_stream")
+        timer = _StreamTimer(self.environment, "SSE", self.ENTRY)
         body = json.dumps({**_triton_request(self.environment), "stream": True})
         try:
             self.connection.request("POST", f"/v2/models/{MODEL}/generate_stream", body,
@@ -216,6 +252,7 @@ class StreamUser(User):
 
 
 class GrpcStreamUser(User):
+    ENTRY = "grpc_stream"
     wait_time = constant(0)
 
     @staticmethod
@@ -263,7 +300,7 @@ class GrpcStreamUser(User):
     def grpc_stream(self):
         from scripts.clients.llm_client import triton_inputs
 
-        timer = _StreamTimer(self.environment, "gRPC", "grpc_stream")
+        timer = _StreamTimer(self.environment, "gRPC", self.ENTRY)
         try:
             request = {**_triton_request(self.environment), "stream": True}
             self.client.async_stream_infer(MODEL, triton_inputs(self.grpc, request), enable_empty_final_response=True)
@@ -293,6 +330,7 @@ _model_ids: dict[str, str] = {}  # OpenAI service URL -> the first id of its /v1
 class ChatStreamUser(User):
     """Streamed chat completions from the OpenAI-compatible service, over a kept-alive http.client connection."""
 
+    ENTRY = "chat_stream"
     wait_time = constant(0)
 
     @staticmethod
@@ -327,7 +365,7 @@ class ChatStreamUser(User):
 
     @task
     def chat_stream(self):
-        timer = _StreamTimer(self.environment, "SSE", "chat_stream")
+        timer = _StreamTimer(self.environment, "SSE", self.ENTRY)
         body = json.dumps(chat_request(_workload_for(self.environment).next_request(), self.model))
         try:
             self.connection.request("POST", f"{self.base_path}/v1/chat/completions", body,

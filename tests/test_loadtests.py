@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from loadtests.perf_inputs import (GENAI_PERF_FILE, PERF_ANALYZER_FILE, check_pe
 from loadtests.workload import MaxTokens, Workload, chat_request, load_prompts
 from scripts.launcher.processes import Ports, free_loopback_port
 from scripts.paths import PROJECT_ROOT
+from tests.helpers import wait_for
 
 LOCUSTFILE = PROJECT_ROOT / "loadtests" / "locustfile.py"
 
@@ -252,16 +252,39 @@ def forwarding(routes: dict[int, int]):
         cut()
 
 
-def run_locust(users: list[str], options: list[str], csv_prefix: Path, seconds: int = 4, count: int | None = None):
-    """Locust headless, one user of each class unless told; returns the process and its stats rows by name."""
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *users, "--headless", "--only-summary",
-               "-u", str(count or len(users)), "-r", str(count or len(users)), "-t", f"{seconds}s",
-               "--stop-timeout", "30", "--csv", str(csv_prefix), "--max-tokens", "fixed:8", "--loglevel", "WARNING",
-               *options]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=seconds + 120)
+LOCUST_BOUND_S = 300  # -t: only a hung run reaches it; a run ends on its requests (--stop-after-requests)
+
+
+def locust_command(users: list[str], options: list[str], csv_prefix: Path, count: int | None = None,
+                   requests: int | None = 2) -> list[str]:
+    """Locust headless, one user of each class unless told, ended once each class has sent `requests` requests
+    (answered or failed), or by the test when None."""
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *users, "--headless", "--only-summary",
+            "-u", str(count or len(users)), "-r", str(count or len(users)), "-t", f"{LOCUST_BOUND_S}s",
+            *(["--stop-after-requests", str(requests)] if requests else []),
+            "--stop-timeout", "30", "--csv", str(csv_prefix), "--max-tokens", "fixed:8", "--loglevel", "WARNING",
+            *options]
+
+
+def stats_rows(csv_prefix: Path) -> dict[str, dict]:
     stats = Path(f"{csv_prefix}_stats.csv")
-    rows = {r["Name"]: r for r in csv.DictReader(stats.open())} if stats.exists() else {}
-    return result, rows
+    return {r["Name"]: r for r in csv.DictReader(stats.open())} if stats.exists() else {}
+
+
+def failures_recorded(csv_prefix: Path) -> dict[str, int]:
+    """Locust's failures file, error -> occurrences (rewritten every second during a run, flushed every few)."""
+    failures = Path(f"{csv_prefix}_failures.csv")
+    if not failures.exists():
+        return {}
+    with failures.open() as handle:
+        return {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(handle) if row.get("Occurrences")}
+
+
+def run_locust(users: list[str], options: list[str], csv_prefix: Path, count: int | None = None):
+    """Locust run to its end (each class's requests sent); returns the process and its stats rows by name."""
+    result = subprocess.run(locust_command(users, options, csv_prefix, count), cwd=PROJECT_ROOT, capture_output=True,
+                            text=True, timeout=LOCUST_BOUND_S + 120)
+    return result, stats_rows(csv_prefix)
 
 
 @pytest.mark.server
@@ -286,7 +309,7 @@ def test_each_failure_locust_records_carries_the_servers_message(server, tmp_pat
     prompts.write_text(json.dumps({"text_input": "x" * 70_000}) + "\n")
     result, _ = run_locust(["GenerateUser", "StreamUser", "GrpcStreamUser"],
                            ["--host", f"http://127.0.0.1:{server.http}", "--grpc-url", f"127.0.0.1:{server.grpc}",
-                            "--prompts", str(prompts)], tmp_path / "locust", seconds=2)
+                            "--prompts", str(prompts)], tmp_path / "locust")
     assert result.returncode == 1, result.stderr[-3000:]  # Locust's exit code when requests failed
     with open(tmp_path / "locust_failures.csv") as handle:
         failures = {row["Name"]: row["Error"] for row in csv.DictReader(handle)}
@@ -298,9 +321,8 @@ def test_each_failure_locust_records_carries_the_servers_message(server, tmp_pat
 
 def test_an_unreachable_grpc_endpoint_ends_locust_at_start(tmp_path):
     port = _free_port_pair()  # nothing listens on port + 1
-    result, rows = run_locust(["GrpcStreamUser"], ["--host", f"http://127.0.0.1:{port}"], tmp_path / "locust",
-                              seconds=60)
-    # At start: Locust's exit code for a failed start (a run of 60 s with failing requests exits 1), no request sent.
+    result, rows = run_locust(["GrpcStreamUser"], ["--host", f"http://127.0.0.1:{port}"], tmp_path / "locust")
+    # At start: Locust's exit code for a failed start (a run whose requests fail exits 1), no request sent.
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"GrpcStreamUser: no Triton gRPC endpoint at 127.0.0.1:{port + 1}: UNAVAILABLE: " in result.stderr
     assert f"(derived from --host http://127.0.0.1:{port}: its port + 1; pass --grpc-url HOST:PORT)" in result.stderr
@@ -329,21 +351,23 @@ def test_a_grpc_stream_broken_mid_run_reports_its_cause(server, tmp_path):
     def answered():
         return stats.get_inference_statistics("ensemble")["model_stats"][0]["inference_stats"]["success"]["count"]
 
-    port, before, outcome = Ports.free().grpc, answered(), {}
-    with forwarding({port: server.grpc}) as cut:
-        locust = threading.Thread(target=lambda: outcome.update(result_and_rows=run_locust(
-            ["GrpcStreamUser"], ["--grpc-url", f"127.0.0.1:{port}"], tmp_path / "locust", seconds=8, count=2)))
-        locust.start()
-        deadline = time.monotonic() + 60
-        while answered() == before and time.monotonic() < deadline:
-            time.sleep(0.1)
-        cut()
-        locust.join()
-    result, rows = outcome["result_and_rows"]
-    assert result.returncode == 1, result.stderr[-3000:]
-    with open(tmp_path / "locust_failures.csv") as handle:
-        errors = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(handle)}
-    assert sum(errors.values()) > 2, errors  # the requests in flight, and those sent after the cut
+    port, before, csv_prefix = Ports.free().grpc, answered(), tmp_path / "locust"
+    with forwarding({port: server.grpc}) as cut, open(tmp_path / "locust.log", "w") as log:
+        locust = subprocess.Popen(locust_command(["GrpcStreamUser"], ["--grpc-url", f"127.0.0.1:{port}"], csv_prefix,
+                                                 count=2, requests=None),
+                                  cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            wait_for(lambda: answered() > before or locust.poll() is not None, timeout_s=120)
+            cut()
+            # the requests in flight, and those sent after the cut (each on a new stream)
+            wait_for(lambda: sum(failures_recorded(csv_prefix).values()) > 2 or locust.poll() is not None,
+                     timeout_s=120)
+        finally:
+            locust.terminate()  # Locust's SIGTERM: stops its users, writes its files, exits 1 if a request failed
+            locust.wait(timeout=120)
+    assert locust.returncode == 1, (tmp_path / "locust.log").read_text()[-3000:]
+    errors = failures_recorded(csv_prefix)
+    assert sum(errors.values()) > 2, errors
     for error in errors:
         assert re.match(r"[A-Z_]+: \S", error) and "no longer in valid state" not in error, errors
 
@@ -362,11 +386,10 @@ def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(se
                                 cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                for _ in range(2)]
     try:
-        master = subprocess.run([*locust, *users, "--master", "--master-bind-port",
-                                 str(master_port), "--expect-workers", "2", "--expect-workers-max-wait", "120",
-                                 "--headless", "--only-summary", "-u", "4", "-r", "4", "-t", "20s", "--stop-timeout",
-                                 "30", "--csv", str(tmp_path / "locust"), "--max-tokens", "fixed:8", *target],
-                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+        master = subprocess.run(locust_command(users, ["--master", "--master-bind-port", str(master_port),
+                                                       "--expect-workers", "2", "--expect-workers-max-wait", "120",
+                                                       *target], tmp_path / "locust", count=4),
+                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=LOCUST_BOUND_S + 120)
     finally:
         for worker in workers:
             try:
@@ -374,7 +397,7 @@ def test_distributed_locust_master_and_workers_as_the_compose_stack_runs_them(se
             except subprocess.TimeoutExpired:
                 worker.kill()
     assert master.returncode == 0, master.stderr[-3000:]
-    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "locust_stats.csv"))}
+    rows = stats_rows(tmp_path / "locust")
     for name in ("generate_stream", "grpc_stream"):
         assert int(rows[name]["Request Count"]) > 0 and rows[name]["Failure Count"] == "0", (name, rows.get(name))
     assert all(worker.returncode == 0 for worker in workers), [w.stderr.read()[-2000:] for w in workers]
