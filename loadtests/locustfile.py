@@ -158,13 +158,20 @@ def _end_once_each_class_has(environment, wanted: int) -> None:
     while min(_requests_sent(runner.stats, user.ENTRY) for user in environment.user_classes) < wanted:
         gevent.sleep(0.2)
     logging.info(f"every user class has sent {wanted} requests (--stop-after-requests), ending the run")
-    # Locust rewrites its --csv files on a timer and not at the end: sleeping past one period lets that timer (due
-    # first) write what the run ended on, whatever the load (gevent fires due timers in the order they fall due).
-    gevent.sleep(CSV_STATS_INTERVAL_SEC * 1.5)
     if environment.parsed_options.headless:
         runner.quit()
     else:
         runner.stop()  # the web UI stays up
+
+
+@events.quitting.add_listener
+def _csv_files_hold_the_end(environment, **_kwargs):
+    """Locust rewrites its --csv files once a second and not again when it ends: the requests answered in a run's last
+    second, or drained after -t within --stop-timeout, were missing from them (a sweep cell of 8 requests all drained
+    after its 3 s counted none). Sleeping past one period lets the writer's timer, due first, write the final numbers
+    whatever the load: gevent fires due timers in the order they fall due."""
+    if environment.parsed_options.csv_prefix and not isinstance(environment.runner, WorkerRunner):
+        gevent.sleep(CSV_STATS_INTERVAL_SEC * 1.5)
 
 
 def _fire(environment, kind: str, name: str, seconds: float, length: int = 0, error: str | None = None):

@@ -157,14 +157,15 @@ def quick_sweep(tmp_path_factory, model_dir):
     output = tmp_path_factory.mktemp("sweep")
     # Answers of 8 or 16 tokens instead of up to 64: the checks below are of Locust's numbers and the engine's
     # batching, which shorter answers show as well (the 8 requests in flight at the end of a cell of max_batch_size 1
-    # are drained one by one: 64-token answers took 8 s of each cell). Six seconds of new requests a cell: with three,
-    # a clean-clone CI run of 9f45af1 (2026-12-03) had a cell whose 8 requests were all still in flight at the
-    # time limit and none was counted (Locust's --stop-timeout should have let them finish: not understood yet).
+    # are drained one by one: 64-token answers took 8 s of each cell). Three seconds of new requests a cell: the
+    # requests drained after them count (a clean-clone CI run of 9f45af1, 2026-12-03, had a cell whose 8 requests were
+    # all in flight at the time limit and none counted: Locust's --csv files were not written again at the end,
+    # which the locustfile now waits for).
     # The continuous strategy only: its two cells show max_batch_size's effect; the sweep does nothing else per
     # strategy than reload llm with it (static's own behaviour is test_strategies.py's), and each cell costs about
     # 20 s of the suite.
     result = subprocess.run([sys.executable, "-m", "loadtests.sweep", "--quick", "--strategies", "continuous",
-                             "--duration", "6", "--max-tokens", "choice:8,16", "--output", str(output)],
+                             "--duration", "3", "--max-tokens", "choice:8,16", "--output", str(output)],
                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "TRITON_LLM_MODEL_DIR": str(model_dir)})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -256,11 +257,11 @@ LOCUST_BOUND_S = 300  # -t: only a hung run reaches it; a run ends on its reques
 
 
 def locust_command(users: list[str], options: list[str], csv_prefix: Path, count: int | None = None,
-                   requests: int | None = 2) -> list[str]:
+                   requests: int | None = 2, seconds: int = LOCUST_BOUND_S) -> list[str]:
     """Locust headless, one user of each class unless told, ended once each class has sent `requests` requests
-    (answered or failed), or by the test when None."""
+    (answered or failed), or by the test or its `seconds` when None."""
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *users, "--headless", "--only-summary",
-            "-u", str(count or len(users)), "-r", str(count or len(users)), "-t", f"{LOCUST_BOUND_S}s",
+            "-u", str(count or len(users)), "-r", str(count or len(users)), "-t", f"{seconds}s",
             *(["--stop-after-requests", str(requests)] if requests else []),
             "--stop-timeout", "30", "--csv", str(csv_prefix), "--max-tokens", "fixed:8", "--loglevel", "WARNING",
             *options]
@@ -301,6 +302,21 @@ def test_locust_needs_only_host_on_non_default_ports(server, tmp_path):
     for name in ("generate", "generate_stream", "grpc_stream"):  # the content size is the output tokens
         assert 0 < float(rows[name]["Average Content Size"]) <= 8, rows[name]
     assert rows["Aggregated"]["Failure Count"] == "0"
+
+
+@pytest.mark.server
+def test_a_timed_runs_csv_counts_the_requests_drained_after_its_time(server, tmp_path):
+    """The sweep's cells are timed runs read from Locust's CSV: the requests in flight at -t, drained within
+    --stop-timeout, are in it as in Locust's final summary (Locust wrote its CSV once a second and not at the end:
+    3-s runs of 8 users had 2 of 9 requests in it, 2026-12-07)."""
+    prefix = tmp_path / "locust"
+    result = subprocess.run(locust_command(["StreamUser"], ["--host", f"http://127.0.0.1:{server.http}"], prefix,
+                                           count=4, requests=None, seconds=1),
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=LOCUST_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = re.findall(r"SSE\s+generate_stream\s+(\d+)\s+0\(", result.stdout + result.stderr)
+    assert summary, (result.stdout + result.stderr)[-3000:]
+    assert int(stats_rows(prefix).get("generate_stream", {}).get("Request Count", 0)) == int(summary[-1]) >= 4
 
 
 @pytest.mark.server
