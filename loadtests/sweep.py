@@ -141,15 +141,19 @@ def measure_cell(strategy, batch_size, concurrency, args, ports, cell_dir, opena
     def delta(name):
         return engine_after.get(name, 0.0) - engine_before.get(name, 0.0)
 
+    requests, requests_per_s = int(main.get("Request Count", 0)), float(main.get("Requests/s", 0))
+    # Locust's own span, from its users' start to the last answer (its Requests/s is requests over it): not the
+    # process's start-up, nor its wait at exit for its CSV files to hold the end (loadtests/locustfile.py)
+    span = requests / requests_per_s if requests and requests_per_s else elapsed
+
     llm_before, llm_after = stats_before["llm"], stats_after["llm"]
     inferences = llm_after["inference_count"] - llm_before["inference_count"]
     executions = llm_after["execution_count"] - llm_before["execution_count"]
     steps = delta("llm_batch_size_count")
     return Cell(
         strategy=strategy, max_batch_size=batch_size, concurrency=concurrency, duration_s=args.duration,
-        requests=int(main.get("Request Count", 0)), failures=int(main.get("Failure Count", 0)),
-        requests_per_s=float(main.get("Requests/s", 0)),
-        output_tokens_per_s=delta("llm_output_tokens_total") / elapsed,
+        requests=requests, failures=int(main.get("Failure Count", 0)), requests_per_s=requests_per_s,
+        output_tokens_per_s=delta("llm_output_tokens_total") / span,
         latency_p50_s=seconds(main, "50%"), latency_p95_s=seconds(main, "95%"), latency_p99_s=seconds(main, "99%"),
         ttft_p50_s=seconds(ttft, "50%"), ttft_p95_s=seconds(ttft, "95%"), itl_p50_s=seconds(itl, "50%"),
         triton_llm_queue_ms=_queue_ms(llm_before, llm_after),
