@@ -268,8 +268,10 @@ def locust_command(users: list[str], options: list[str], csv_prefix: Path, count
 
 
 def stats_rows(csv_prefix: Path) -> dict[str, dict]:
-    stats = Path(f"{csv_prefix}_stats.csv")
-    return {r["Name"]: r for r in csv.DictReader(stats.open())} if stats.exists() else {}
+    """The sweep's reading of Locust's stats file, or none where Locust wrote none (it stopped at start)."""
+    from loadtests.sweep import locust_rows
+
+    return locust_rows(csv_prefix) if Path(f"{csv_prefix}_stats.csv").exists() else {}
 
 
 def failures_recorded(csv_prefix: Path) -> dict[str, int]:
