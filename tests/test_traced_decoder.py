@@ -1,6 +1,6 @@
 """The export's graph optimizer (scripts/prepare/traced_decoder.py's optimize_graph): onnxscript's, as
 torch.onnx.export runs it, without its rule that pairs Slices (SmolLM2's graph the same node for node:
-docs/testing.md)."""
+docs/testing.md); and its trace, without torch's fake-tensor cache."""
 import collections
 
 import numpy as np
@@ -76,3 +76,28 @@ def test_the_rules_are_restored_when_optimizing_fails(monkeypatch):
     with pytest.raises(ValueError, match="said no"):
         optimize_graph(None)
     assert rewriter._DEFAULT_REWRITE_RULES is default
+
+
+def test_the_trace_runs_without_torchs_fake_tensor_cache_and_puts_it_back(monkeypatch, tmp_path):
+    """The cache's hits cost the trace more than they save (traced_decoder.FAKE_TENSOR_CACHE); torch's setting is
+    back after the trace, also when it fails."""
+    import types
+
+    import torch
+
+    from scripts.prepare import traced_decoder
+
+    seen = []
+
+    def failing_trace(*args, **kwargs):
+        seen.append(torch._dynamo.config.fake_tensor_cache_enabled)
+        raise RuntimeError("the trace failed")
+
+    monkeypatch.setattr(torch.onnx, "export", failing_trace)
+    config = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, hidden_size=8, num_attention_heads=1,
+                                   head_dim=8)
+    before = torch._dynamo.config.fake_tensor_cache_enabled
+    with pytest.raises(RuntimeError, match="the trace failed"):
+        traced_decoder.export_graph(types.SimpleNamespace(config=config), tmp_path / "model.onnx", log=lambda _: None)
+    assert seen == [False]
+    assert torch._dynamo.config.fake_tensor_cache_enabled == before

@@ -37,6 +37,12 @@ class DecoderWithCache(torch.nn.Module):
         return (out.logits, *present)
 
 
+# torch's cache of fake-tensor dispatches, off while tracing: with dynamic shapes each hit rebuilds its outputs'
+# symbolic sizes and strides, which costs more than the dispatch it saves. SmolLM2's trace took 131 s and 132 s
+# without it, 175 s and 159 s with it (alternating, 2-core machine, 2026-12-07), and wrote the same graph byte for byte.
+FAKE_TENSOR_CACHE = False
+
+
 def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> None:
     """The model traced by torch.onnx.export (dynamo) into onnx_path, its weights in an external data file beside it:
     batch, sequence and past lengths dynamic."""
@@ -64,7 +70,7 @@ def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> 
     kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} (~2 min)")
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=FAKE_TENSOR_CACHE):
         program = torch.onnx.export(
             DecoderWithCache(model).eval(),
             args,
