@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from python_backend.model_files import MODEL_DIR_ENV, ONNX_FILE, SETTINGS_FILE
+from python_backend.runtime.fault_injection import FAULT_ENV
 from python_backend.serving.periodic import Periodic
 from scripts.launcher.openai_server import running_openai_api
 from scripts.launcher.triton_server import all_models, running_server
 from scripts.paths import MODEL_REPOSITORY, default_model_dir
 from scripts.launcher.processes import last_crash, process_with_argument, zombie_children_of
-from tests.helpers import KV_TEST_PROMPTS, variant_folder
+from tests.helpers import KV_TEST_PROMPTS, SUITE_MIN_STEP_MS, variant_folder
 from tests.tiny_engine_model import tiny_engine_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +31,8 @@ def pytest_configure(config):
     162 s with one). The servers and other processes a worker starts (exports, references in other venvs) inherit
     the share: $TRITON_LLM_INTRA_OP_THREADS for onnxruntime, $OMP_NUM_THREADS for torch and numpy (four files with
     exports and references: 144 s with a thread per core, 131 s with one)."""
+    # the servers it starts inherit it (tests/helpers.py's SUITE_MIN_STEP_MS says why)
+    os.environ.setdefault(FAULT_ENV, f"min_step_ms={SUITE_MIN_STEP_MS}")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         import torch

@@ -51,8 +51,15 @@ def lazy_module(name: str) -> types.ModuleType:
 
 
 NO_EOS = NEVER_WRITTEN  # as end_id: generation runs to max_tokens
+# The servers the suite starts take at least this long a step (TRITON_LLM_INJECT_FAULT's min_step_ms, set by
+# tests/conftest.py; python_backend/runtime/fault_injection.py), so that a count of tokens is also a least time on
+# any machine: a request of N tokens is still running N steps' time after it starts, and a bound of N tokens leaves
+# a cancel at least that long to arrive. Below this machine's steps on SmolLM2 (about 40 ms at batch 1 on a thread),
+# where it changes nothing; a machine many times faster runs the suite's servers as if it were about as fast.
+SUITE_MIN_STEP_MS = 20
 # A cancelled request stops within a few engine steps (2-5 tokens measured); the bound leaves room for a loaded
-# machine where the client lags the engine, and stays far below the 1000 tokens such a request would otherwise make.
+# machine where the client lags the engine (a second at SUITE_MIN_STEP_MS on a fast one), and stays far below the
+# 1000 tokens such a request would otherwise make.
 LEFTOVER_TOKENS = 50
 # Five short chat prompts of different lengths and scripts, for the KV caches' batching tests.
 KV_TEST_PROMPTS = [
@@ -162,7 +169,8 @@ def reconfigured_llm(server, **changes):
 
 
 def long_request() -> dict:
-    """A request for the ensemble that runs until cancelled (1000 tokens, EOS never met)."""
+    """A request for the ensemble that runs until cancelled (1000 tokens, EOS never met: at least 20 s at
+    SUITE_MIN_STEP_MS)."""
     from scripts.bench.disconnect_storm import LONG_REQUEST
 
     return dict(LONG_REQUEST)

@@ -1,5 +1,7 @@
 """The engine's core driven step by step, on the calling thread, with no callbacks: what each step returns."""
 
+import time
+
 import pytest
 
 from python_backend.engine.core import EngineCore
@@ -7,7 +9,7 @@ from python_backend.engine.sampling import SamplingParams
 from python_backend.engine.scheduler import Scheduler, SchedulerConfig
 from python_backend.engine.sequence import Sequence
 from python_backend.engine.step_output import Decoded, Failed, NewTokens, Prefilled, StepOutput
-from python_backend.runtime.fault_injection import FaultyDecoder
+from python_backend.runtime.fault_injection import FAULT_ENV, FaultyDecoder, parse_spec
 from tests.helpers import CountingDecoder, fail_choice_after, outputs_alone
 
 PROMPTS = ["What is the capital of France?", "Hi", "用一句话介绍一下长城。", "def add(a, b):"]
@@ -123,6 +125,32 @@ def test_a_failed_decode_step_is_the_steps_error_and_fails_its_whole_batch(decod
     assert "injected fault: a decode step" in str(out.error) and out.progressed and out.state is None
     assert [f.seq for f in out.failed] == seqs and all(f.error is out.error for f in out.failed)
     assert eng.running == [] and eng.cache.size == 0
+
+
+def test_a_step_floor_makes_every_step_last_at_least_its_time_and_changes_no_token(decoder, prompts, alone):
+    """min_step_ms, which the suite's servers run with (tests/helpers.py's SUITE_MIN_STEP_MS): the tiny model's steps
+    take a few milliseconds here; paced, none ends sooner than the floor, and the tokens are the same."""
+    floor_s = 0.05
+    eng = core(FaultyDecoder(decoder, **parse_spec(f"min_step_ms={int(floor_s * 1000)}")), strategy="continuous")
+    seqs = make(prompts[:2], [8, 8])
+    for seq in seqs:
+        eng.add(seq)
+    steps = []
+    while True:
+        started = time.monotonic()
+        if not eng.step().progressed:
+            break
+        steps.append(time.monotonic() - started)
+    assert len(steps) >= 7 and min(steps) >= floor_s, steps  # 8 tokens: a prefill, then a decode step each
+    assert [s.output_ids for s in seqs] == alone[:2]
+
+
+def test_a_fault_spec_names_each_fault_and_refuses_what_it_does_not_know():
+    assert parse_spec("prefill_token=7, decode_token=3681,min_step_ms=20") == {
+        "prefill_token": 7, "decode_token": 3681, "min_step_s": 0.02}
+    for bad in ("min_step_ms=fast", "slow_step=20", "decode_token"):
+        with pytest.raises(ValueError, match=FAULT_ENV):
+            parse_spec(bad)
 
 
 def test_static_waits_for_its_batch_and_keeps_finished_rows_as_padding(decoder, prompts):

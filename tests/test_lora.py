@@ -519,7 +519,7 @@ def test_the_ensemble_takes_lora_name_and_refuses_an_unknown_one(peft_run, lora_
         client.complete({"text_input": text, "max_tokens": 2, "lora_name": "nobody"})
 
 
-LONG = 300  # tokens: seconds of decoding on a CPU, while the adapter is unloaded
+LONG = 300  # tokens: running while the adapter is unloaded (6 s at least, at the suite's SUITE_MIN_STEP_MS)
 
 
 @pytest.mark.server

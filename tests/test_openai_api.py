@@ -390,7 +390,8 @@ def test_a_waiting_non_streaming_client_that_gives_up_frees_its_sequence(model, 
     """A non-streaming client that hangs up while its answer is being generated frees its sequence: the request,
     which would run to its LONG tokens (end-of-text banned), stops far short of them. The client hangs up once the
     engine shows the sequence running, not after some seconds, so no speed is assumed; the bound is a quarter of LONG
-    because the front looks for a gone client every DISCONNECT_POLL_S (0.2 s), whose tokens grow with the speed."""
+    because the front looks for a gone client every DISCONNECT_POLL_S (0.2 s), whose tokens grow with the speed (up
+    to 10 at the suite's SUITE_MIN_STEP_MS, on any machine)."""
     before = wait_idle(server)
     connection = http.client.HTTPConnection("127.0.0.1", service, timeout=120)
     connection.request("POST", "/v1/completions", json.dumps(long_completion(model)),

@@ -97,3 +97,12 @@ def test_a_lazy_module_is_imported_by_the_test_that_uses_it_not_by_collection():
     assert getattr(module, "_mock_name", None) is None and inspect.unwrap(module) is module
     assert name not in sys.modules, "a probe imported it"
     assert module.Maildir is importlib.import_module(name).Maildir
+
+
+def test_the_servers_the_suite_starts_run_with_its_step_floor():
+    """tests/conftest.py sets it for every process the suite starts; the launcher passes it on to tritonserver."""
+    from python_backend.runtime.fault_injection import FAULT_ENV
+    from scripts.launcher.triton_server import server_environment
+    from tests.helpers import SUITE_MIN_STEP_MS
+
+    assert f"min_step_ms={SUITE_MIN_STEP_MS}" in server_environment()[FAULT_ENV].split(",")
