@@ -141,6 +141,10 @@ class ServerPool:
         """The pid of the tritonserver on these ports."""
         return self._pids[ports]
 
+    def log(self, ports) -> Path:
+        """The log of the tritonserver on these ports."""
+        return self._logs[ports]
+
     def _zombies(self) -> list[tuple[dict, object, dict[int, str]]]:
         """(env, Ports, its zombie children) of each server the watch has not stopped, from one read of /proc."""
         running = [(dict(env), ports) for (_, env), ports in list(self._servers.items())

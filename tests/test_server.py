@@ -46,6 +46,16 @@ def reference(hf_model, tokenizer, settings):
             for prompt in PROMPTS}
 
 
+def test_the_shared_server_s_llm_model_runs_with_the_suite_s_step_floor(servers, server):
+    """tests/helpers.py's SUITE_MIN_STEP_MS reaches the llm model, which paces its decoder
+    (python_backend/runtime/fault_injection.py) and says so at its load."""
+    from python_backend.runtime.fault_injection import FAULT_ENV
+    from tests.helpers import SUITE_MIN_STEP_MS
+
+    said = f"[llm] {FAULT_ENV}=min_step_ms={SUITE_MIN_STEP_MS}: faults are injected on purpose"
+    assert said in servers.log(server).read_text(errors="replace")
+
+
 def test_served_greedy_text_equals_transformers_generate(server, reference, tokenizer):
     client = GrpcClient(grpc_url(server))
     completions = at_once(*(functools.partial(client.complete, {"text_input": prompt, "max_tokens": MAX_TOKENS,
