@@ -21,9 +21,9 @@ from scripts.bench.structured_schemas import SCHEMAS, schema_prompt
 from tests.helpers import variant_folder
 
 # The held set twice, at once, on the fp32 variant as it is served: its fused graph with its slot cache and prefix
-# caching (the sampled rows reuse the greedy rows' prompts: a third of the fp32 export's time). The exact int4
-# variant gives the same tokens (the longest answers and the sampled rows that differ the same, 2026-12-07) in 26-30 s
-# against fp32's 23-28 s here, and `make batch` does not build it.
+# caching (the sampled rows reuse the greedy rows' prompts: a third of the fp32 export's time). On the exact int4
+# variant the five longest answers were as long and as many sampled rows differed (2026-12-07), in 26-30 s against
+# fp32's 23-28 s here, and `make batch` does not build it.
 CONFIG = SchedulerConfig(max_batch_size=2 * len(SCHEMAS), kv_budget_tokens=200_000, kv_layout="slots",
                          max_context_length=512, enable_kv_cache_reuse=True)
 # The held set's longest answer takes 85 tokens (sampled, measured): three times that, a row that reaches it was not
