@@ -131,7 +131,7 @@ def test_a_step_floor_makes_every_step_last_at_least_its_time_and_changes_no_tok
     """min_step_ms, which the suite's servers run with (tests/helpers.py's SUITE_MIN_STEP_MS): the tiny model's steps
     take a few milliseconds here; paced, none ends sooner than the floor, and the tokens are the same."""
     floor_s = 0.05
-    eng = core(FaultyDecoder(decoder, **parse_spec(f"min_step_ms={int(floor_s * 1000)}")), strategy="continuous")
+    eng = core(FaultyDecoder(decoder, **parse_spec("min_step_ms=50")), strategy="continuous")
     seqs = make(prompts[:2], [8, 8])
     for seq in seqs:
         eng.add(seq)

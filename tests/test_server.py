@@ -14,10 +14,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from python_backend.runtime.fault_injection import FAULT_ENV
 from scripts.clients.llm_client import GenerateClient, GrpcClient, HttpClient, RequestError, triton_inputs
 from scripts.launcher.processes import Ports
 from scripts.launcher.triton_server import server_environment
-from tests.helpers import assert_ready, at_once, hf_greedy, llm_request, llm_stream, metrics
+from tests.helpers import SUITE_MIN_STEP_MS, assert_ready, at_once, hf_greedy, llm_request, llm_stream, metrics
 
 pytestmark = pytest.mark.server
 
@@ -49,9 +50,6 @@ def reference(hf_model, tokenizer, settings):
 def test_the_shared_server_s_llm_model_runs_with_the_suite_s_step_floor(servers, server):
     """tests/helpers.py's SUITE_MIN_STEP_MS reaches the llm model, which paces its decoder
     (python_backend/runtime/fault_injection.py) and says so at its load."""
-    from python_backend.runtime.fault_injection import FAULT_ENV
-    from tests.helpers import SUITE_MIN_STEP_MS
-
     said = f"[llm] {FAULT_ENV}=min_step_ms={SUITE_MIN_STEP_MS}: faults are injected on purpose"
     assert said in servers.log(server).read_text(errors="replace")
 
