@@ -30,7 +30,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
-    """A Hugging Face folder: 2-layer random Llama, SmolLM2's vocabulary, a tokenizer with BOS and no template."""
+    """A Hugging Face folder: 3-layer random Llama, SmolLM2's vocabulary, a tokenizer with BOS and no template. Three
+    layers: its export traces two and copies the second for the third (scripts/prepare/layer_replication.py)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # here: every worker collects every file
 
     folder = tmp_path_factory.mktemp("tiny_llama")
@@ -38,7 +39,7 @@ def tiny_model_dir(model_dir, tmp_path_factory) -> Path:
     tokenizer.chat_template = None
     tokenizer.save_pretrained(folder)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         # Ten times the usual spread: large enough that the next token depends on the whole prompt, BOS included,
@@ -106,7 +107,7 @@ def test_an_export_that_fails_stops_its_references_process(tiny_model_dir, tmp_p
         started.append(beside(model, output))
         return started[-1]
 
-    def tracing_fails(model, path, log):
+    def tracing_fails(model, path, log, every_layer):
         raise RuntimeError("the tracer said no")
 
     monkeypatch.setattr(export_onnx, "REFERENCES_BESIDE_PARAMETERS", 0)
@@ -180,6 +181,46 @@ def test_the_export_records_no_chat_template_passes_parity_and_is_served(tiny_ex
     assert json.loads((tiny_export / "parity_report.json").read_text())["passed"]
     with urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.http}/v2/models/llm/ready", timeout=10) as response:
         assert response.status == 200
+
+
+@pytest.mark.server  # on the export the server tests build (the fast suite leaves both out)
+def test_the_copied_layer_computes_what_pytorch_does_on_its_own_weights_and_cache(tiny_export, tiny_model_dir):
+    """The export traced two of the three layers and copied the second's graph for the third: on left-padded rows
+    with a past, its logits and each layer's present K and V are PyTorch's to float rounding. A copy that read layer
+    1's weights or cache instead of its own is off by far more (the weights are random and large)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from transformers import LlamaForCausalLM
+
+    from python_backend.model_files import ONNX_FILE
+    from scripts.prepare.traced_decoder import DecoderWithCache
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    config = model.config
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    graph = onnx.load(str(tiny_export / ONNX_FILE), load_external_data=False).graph
+    assert any(node.name.endswith("__layer2") for node in graph.node), "the third layer was traced, not copied"
+    session = ort.InferenceSession(str(tiny_export / ONNX_FILE))
+    batch, new, past_len = 3, 5, 7
+    rng = np.random.default_rng(0)
+    mask = np.ones((batch, past_len + new), np.int64)
+    mask[0, :3] = 0  # a left-padded row
+    feeds = {"input_ids": rng.integers(0, config.vocab_size, (batch, new)), "attention_mask": mask,
+             "position_ids": np.tile(np.arange(past_len, past_len + new), (batch, 1)),
+             "logits_positions": np.arange(new, dtype=np.int64)}
+    past = [rng.standard_normal((batch, kv_heads, past_len, head_dim)).astype(np.float32) for _ in range(2 * layers)]
+    feeds.update({f"past_key_values.{i // 2}.{('key', 'value')[i % 2]}": p for i, p in enumerate(past)})
+    outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    assert [i.name for i in session.get_inputs()] == list(feeds) and layers == 3
+    assert [o.name for o in session.get_outputs()] == outputs
+
+    ours = session.run(None, feeds)
+    with torch.no_grad():
+        theirs = DecoderWithCache(model)(*(torch.from_numpy(feeds[k]) for k in list(feeds)[:4]),
+                                         *map(torch.from_numpy, past))
+    for name, got, expected in zip(outputs, ours, theirs, strict=True):
+        assert got.shape == tuple(expected.shape) and np.abs(got - expected.numpy()).max() < 1e-4, name
 
 
 @pytest.mark.server

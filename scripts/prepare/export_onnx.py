@@ -4,7 +4,8 @@
     python -m scripts.prepare.export_onnx --source my-hf-folder --output build/my-model
 
 Route: torch.onnx.export(dynamo=True) on a small wrapper around the transformers model (traced_decoder.py), with eager
-attention that reads each KV head once per group of query heads (scripts/prepare/grouped_attention.py).
+attention that reads each KV head once per group of query heads (scripts/prepare/grouped_attention.py); of a model
+whose layers are all alike, the first two are traced and the second's graph copied for the rest (layer_replication.py).
 The parity check runs the exported graph through the same onnxruntime code the server uses.
 """
 
@@ -192,13 +193,15 @@ def generate_reference(output: Path, load_model, prompts: list[list[int]], eos_i
 
 
 def references_beside(model, output: Path):
-    """A process computing write_references(output) while this one traces (None for a small model): it keeps a
-    core of its own (one thread on two cores) and hands its result back through the cache files."""
+    """A process computing write_references(output) while this one traces (None for a small model), handing its
+    result back through the cache files. It takes a thread per core: the trace of two layers (layer_replication.py)
+    ends well before it, which then has the cores to itself (SmolLM2's export, 2-core machine, 2026-12-08: 100.5 s
+    with two threads, 131.1 s with one)."""
     import subprocess
 
     if sum(p.numel() for p in model.parameters()) < REFERENCES_BESIDE_PARAMETERS:
         return None
-    threads = str(max(1, (os.cpu_count() or 2) - 1))
+    threads = str(os.cpu_count() or 1)
     return subprocess.Popen([sys.executable, "-m", "scripts.prepare.export_onnx", "--output", str(output),
                              "--references-only"], env={"OMP_NUM_THREADS": threads, **os.environ})
 
@@ -257,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="export again even if the output is up to date")
     parser.add_argument("--references-only", action="store_true",
                         help="only compute PyTorch's references for the export in --output (its settings written)")
+    parser.add_argument("--trace-every-layer", action="store_true",
+                        help="trace each decoder layer instead of copying the second one's graph for the layers after "
+                             "it (scripts/prepare/layer_replication.py), for a model where the copy fails its parity")
     parser.add_argument("--logit-tolerance", type=float, default=MAX_LOGIT_DIFF,
                         help="the largest |Δ logits| against transformers that passes (default: %(default)s, set for "
                              "trained models' logits; a random model's may need more)")
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     eos_ids = write_settings(model, tokenizer, hf_dir, output, source)
     references = references_beside(model, output)
     try:
-        export_graph(model, output / ONNX_FILE, log)
+        export_graph(model, output / ONNX_FILE, log, every_layer=args.trace_every_layer)
     except BaseException:
         if references is not None:  # not left computing for an export that failed
             references.kill()
@@ -313,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, g in enumerate(report["prompts"]):
             if "departure" in g:
                 log(f"greedy: prompt {i} left transformers' answer at {g['departure']}")
-        log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}")
+        log(f"PARITY FAILED: see {output / PARITY_REPORT_FILE}"
+            + ("" if args.trace_every_layer else " (--trace-every-layer traces each layer instead of copying one)"))
         return 1
     mark_complete(output, EXPORT_MARK, fingerprint)
     log(f"done: {output}")

@@ -5,11 +5,14 @@ for one rewrite (optimize_graph). scripts/prepare/export_onnx.py checks its pari
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from scripts.prepare import layer_replication
 
 
 class DecoderWithCache(torch.nn.Module):
@@ -43,9 +46,59 @@ class DecoderWithCache(torch.nn.Module):
 FAKE_TENSOR_CACHE = False
 
 
-def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> None:
+def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print, every_layer: bool = False) -> None:
     """The model traced by torch.onnx.export (dynamo) into onnx_path, its weights in an external data file beside it:
-    batch, sequence and past lengths dynamic."""
+    batch, sequence and past lengths dynamic. A model whose layers are all of one kind has its first two traced and
+    the second copied for the others (layer_replication.py), unless every_layer."""
+    layers = model.config.num_hidden_layers
+    why = "asked (--trace-every-layer)" if every_layer else layer_replication.replication_refusal(model.config)
+    if why is None:
+        started = time.monotonic()
+        try:
+            with traced_layers(model, layer_replication.TRACED_LAYERS):
+                program = trace(model, log)
+            layer_replication.replicate(program.model, DecoderWithCache(model).state_dict(), layers)
+            log(f"layers 2-{layers - 1} copied from layer 1 ({time.monotonic() - started:.1f} s with the trace)")
+        except layer_replication.NotReplicable as error:
+            why = f"the trace of {layer_replication.TRACED_LAYERS} layers cannot be extended ({error})"
+    if why is not None:
+        if layers > layer_replication.TRACED_LAYERS:
+            log(f"all {layers} layers traced: {why}")
+        program = trace(model, log)
+    started = time.monotonic()
+    optimize_graph(program.model)
+    log(f"graph optimized in {time.monotonic() - started:.1f} s")
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(onnx_path), external_data=True)
+
+
+@contextlib.contextmanager
+def traced_layers(model, count: int):
+    """The model with only its first ``count`` decoder layers while inside (its config says so too)."""
+    config = model.config
+    stacks = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.ModuleList) and len(module) == config.num_hidden_layers]
+    if len(stacks) != 1:
+        raise layer_replication.NotReplicable(f"{len(stacks)} lists of {config.num_hidden_layers} modules in the "
+                                              "model, not one of its layers")
+    parent_name, _, attribute = stacks[0].rpartition(".")
+    parent = model.get_submodule(parent_name)
+    stack = getattr(parent, attribute)
+    saved = {key: getattr(config, key) for key in ("num_hidden_layers", "layer_types") if hasattr(config, key)}
+    try:
+        setattr(parent, attribute, stack[:count])
+        config.num_hidden_layers = count
+        if saved.get("layer_types"):
+            config.layer_types = saved["layer_types"][:count]
+        yield
+    finally:
+        setattr(parent, attribute, stack)
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def trace(model, log: Callable[[str], None]):
+    """torch.onnx.export's ONNXProgram of the model as it is (its config's layers), not optimized."""
     config = model.config
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -68,10 +121,10 @@ def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> 
         "past": tuple({0: dyn, 2: dyn} for _ in past),
     }
     kv_names = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} (~2 min)")
+    log(f"torch.onnx.export(dynamo=True): {layers} layers, {kv_heads} KV heads, head_dim {head_dim} "
+        f"(~{6 + 4 * layers} s)")
     with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=FAKE_TENSOR_CACHE):
-        program = torch.onnx.export(
+        return torch.onnx.export(
             DecoderWithCache(model).eval(),
             args,
             input_names=["input_ids", "attention_mask", "position_ids", "logits_positions"]
@@ -82,10 +135,6 @@ def export_graph(model, onnx_path: Path, log: Callable[[str], None] = print) -> 
             optimize=False,
             verbose=False,
         )
-    started = time.monotonic()
-    optimize_graph(program.model)
-    log(f"graph optimized in {time.monotonic() - started:.1f} s")
-    program.save(str(onnx_path), external_data=True)
 
 
 # onnxscript's rewrite that turns two Slices halving a tensor's last axis into one Split. Its pattern of two nodes is
