@@ -34,7 +34,12 @@ def test_models_with_layers_of_more_than_one_kind_or_too_few_are_traced_whole():
     assert layer_replication.replication_refusal(tf.LlamaConfig(num_hidden_layers=4)) is None
     assert "2 layers" in layer_replication.replication_refusal(tf.LlamaConfig(num_hidden_layers=2))
     gemma2 = tf.Gemma2Config(num_hidden_layers=4)  # sliding-window and full attention, alternating
-    assert "2 kinds" in layer_replication.replication_refusal(gemma2)
+    assert "layer_types: full_attention, sliding_attention" in layer_replication.replication_refusal(gemma2)
+    qwen2 = tf.Qwen2Config(num_hidden_layers=4)  # a window it does not use: every layer full attention
+    assert qwen2.layer_types == ["full_attention"] * 4 and layer_replication.replication_refusal(qwen2) is None
+    no_rope = tf.LlamaConfig(num_hidden_layers=4)
+    no_rope.no_rope_layers = [1, 1, 1, 0]  # Llama 4's: a layer without rotary embeddings
+    assert "no_rope_layers" in layer_replication.replication_refusal(no_rope)
     state = {f"model.layers.{i}.mlp.weight": torch.zeros(2, 2) for i in range(3)}
     layer_replication.check_uniform(state, 3)
     state["model.layers.2.mlp.weight"] = torch.zeros(2, 3)  # a layer of another kind: not layer 1's weights

@@ -26,12 +26,15 @@ class NotReplicable(ValueError):
 
 def replication_refusal(config) -> str | None:
     """Why this model's layers cannot all be copies of one traced layer (None: they can): too few to gain from it,
-    or layers of more than one kind (sliding-window and full attention, dense and expert MLPs)."""
-    if config.num_hidden_layers <= TRACED_LAYERS:
-        return f"{config.num_hidden_layers} layers: all are traced"
-    kinds = set(getattr(config, "layer_types", None) or [])
-    if len(kinds) > 1:
-        return f"layers of {len(kinds)} kinds ({', '.join(sorted(kinds))})"
+    or layers of more than one kind, as any per-layer list of its config says (``layer_types``' sliding-window and
+    full attention, Llama 4's ``no_rope_layers``, ...). Dense and expert MLPs mixed show in the weights instead
+    (check_uniform)."""
+    layers = config.num_hidden_layers
+    if layers <= TRACED_LAYERS:
+        return f"{layers} layers: all are traced"
+    for key, value in sorted(config.to_dict().items()):
+        if isinstance(value, list) and len(value) == layers and len({repr(v) for v in value}) > 1:
+            return f"layers of more than one kind ({key}: {', '.join(sorted({str(v) for v in value}))})"
     return None
 
 
