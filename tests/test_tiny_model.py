@@ -194,23 +194,16 @@ def test_the_copied_layer_computes_what_pytorch_does_on_its_own_weights_and_cach
     from transformers import LlamaForCausalLM
 
     from python_backend.model_files import ONNX_FILE
+    from scripts.bench.layer_copies import random_feeds
     from scripts.prepare.traced_decoder import DecoderWithCache
 
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    config = model.config
-    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    layers = model.config.num_hidden_layers
     graph = onnx.load(str(tiny_export / ONNX_FILE), load_external_data=False).graph
     assert any(node.name.endswith("__layer2") for node in graph.node), "the third layer was traced, not copied"
     session = ort.InferenceSession(str(tiny_export / ONNX_FILE))
-    batch, new, past_len = 3, 5, 7
-    rng = np.random.default_rng(0)
-    mask = np.ones((batch, past_len + new), np.int64)
-    mask[0, :3] = 0  # a left-padded row
-    feeds = {"input_ids": rng.integers(0, config.vocab_size, (batch, new)), "attention_mask": mask,
-             "position_ids": np.tile(np.arange(past_len, past_len + new), (batch, 1)),
-             "logits_positions": np.arange(new, dtype=np.int64)}
-    past = [rng.standard_normal((batch, kv_heads, past_len, head_dim)).astype(np.float32) for _ in range(2 * layers)]
-    feeds.update({f"past_key_values.{i // 2}.{('key', 'value')[i % 2]}": p for i, p in enumerate(past)})
+    feeds = random_feeds(model.config, np.random.default_rng(0))  # a left-padded row, a past
+    past = [feeds[f"past_key_values.{i}.{kind}"] for i in range(layers) for kind in ("key", "value")]
     outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     assert [i.name for i in session.get_inputs()] == list(feeds) and layers == 3
     assert [o.name for o in session.get_outputs()] == outputs
