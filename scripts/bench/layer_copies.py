@@ -21,7 +21,8 @@ BATCH, NEW, PAST = 3, 5, 7
 def random_feeds(config, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """The export's inputs for BATCH rows of NEW tokens after a random past of PAST positions, the first row
     left-padded by 3."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from scripts.prepare.traced_decoder import head_size
+
     mask = np.ones((BATCH, PAST + NEW), np.int64)
     mask[0, :3] = 0
     feeds = {"input_ids": rng.integers(0, config.vocab_size, (BATCH, NEW)), "attention_mask": mask,
@@ -30,7 +31,7 @@ def random_feeds(config, rng: np.random.Generator) -> dict[str, np.ndarray]:
     for layer in range(config.num_hidden_layers):
         for kind in ("key", "value"):
             feeds[f"past_key_values.{layer}.{kind}"] = rng.standard_normal(
-                (BATCH, config.num_key_value_heads, PAST, head_dim)).astype(np.float32)
+                (BATCH, config.num_key_value_heads, PAST, head_size(config))).astype(np.float32)
     return feeds
 
 

@@ -114,8 +114,8 @@ def replicate(model: ir.Model, state: dict, layers: int) -> None:
     for node in second:
         if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
             raise NotReplicable(f"{node.op_type} {node.name} holds a subgraph")
-    first_sources, memo = _sources(graph, 0), {}
-    layer_inputs = {v for v in _sources(graph, 1) if v.is_graph_input()}
+    first_sources, second_sources, memo = _sources(graph, 0), _sources(graph, 1), {}
+    layer_inputs = {v for v in second_sources if v.is_graph_input()}
     residual_in = set()
     for node in second:
         for v in node.inputs:
@@ -140,7 +140,7 @@ def replicate(model: ir.Model, state: dict, layers: int) -> None:
     if len(residual_out) != 1:
         raise NotReplicable(f"{len(residual_out)} values of layer 1 are read after it (the residual stream: 1)")
     (residual_out,) = residual_out
-    weights = {name: v for name, v in graph.initializers.items() if re.search(r"(?:^|\.)layers\.1\.", name)}
+    weights = {v.name: v for v in second_sources if v.is_initializer()}
     for layer in range(TRACED_LAYERS, layers):
         if missing := [name for name in weights if _layer_name(name, layer) not in state]:
             raise NotReplicable(f"no weight {_layer_name(missing[0], layer)} for layer {layer}")

@@ -97,11 +97,15 @@ def traced_layers(model, count: int):
             setattr(config, key, value)
 
 
+def head_size(config) -> int:
+    """The width of one attention head: the cache's last axis."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def trace(model, log: Callable[[str], None]):
     """torch.onnx.export's ONNXProgram of the model as it is (its config's layers), not optimized."""
     config = model.config
-    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, head_size(config)
     # Sample shapes avoid 0 and 1: export would specialize those dimensions.
     batch, seq, past_len = 2, 3, 4
     past = [torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
